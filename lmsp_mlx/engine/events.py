@@ -1,0 +1,40 @@
+"""What the worker reports about one generation, in order: deltas, then one ending."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, Union
+
+
+@dataclass(frozen=True)
+class TextDelta:
+    text: str
+
+
+@dataclass(frozen=True)
+class Usage:
+    input_tokens: int
+    output_tokens: int
+    cached_tokens: int = 0
+
+    @property
+    def total_tokens(self) -> int:
+        return self.input_tokens + self.output_tokens
+
+
+@dataclass(frozen=True)
+class Finished:
+    """`stop`: the model ended its turn; `length`: max_output_tokens; `cancelled`: the client left."""
+
+    reason: Literal["stop", "length", "cancelled"]
+    usage: Usage
+    prefill_tps: float = 0.0
+    decode_tps: float = 0.0
+
+
+@dataclass(frozen=True)
+class Failed:
+    message: str
+
+
+GenerationEvent = Union[TextDelta, Finished, Failed]

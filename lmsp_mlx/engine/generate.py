@@ -1,0 +1,91 @@
+"""The hot loop: prefill the prompt, decode tokens, stream text pieces out.
+
+mlx-lm's `generate_step` does the model calls (chunked prefill, async-eval'd decode);
+this loop adds what a server needs around it: cancellation between prefill chunks and
+decode steps, end-of-turn detection, UTF-8-safe text pieces and timings.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from time import perf_counter
+from typing import Callable
+
+import mlx.core as mx
+from mlx_lm.generate import generate_step
+from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.sample_utils import make_sampler
+
+from .events import Finished, GenerationEvent, TextDelta, Usage
+from .loader import LoadedModel
+
+log = logging.getLogger("lmsp_mlx.engine")
+
+LONG_PREFILL = 1024  # prompts at least this long log their prefill progress
+
+
+class Cancelled(Exception):
+    """The client went away; raised between prefill chunks or decode steps."""
+
+
+@dataclass
+class GenerationParams:
+    prompt: list[int]
+    max_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    prefill_step: int = 256
+
+
+def generate(
+    lm: LoadedModel,
+    params: GenerationParams,
+    emit: Callable[[GenerationEvent], None],
+    cancelled: Callable[[], bool],
+) -> Finished:
+    def check(done: int, total: int) -> None:
+        if cancelled():
+            raise Cancelled
+        if total >= LONG_PREFILL and 0 < done < total:
+            log.info("prefill %d/%d tokens", done, total)
+
+    sampler = make_sampler(temp=params.temperature, top_p=params.top_p if params.top_p < 1 else 0.0)
+    detokenizer = lm.tokenizer.detokenizer
+    steps = generate_step(
+        mx.array(params.prompt),
+        lm.model,
+        prompt_cache=make_prompt_cache(lm.model),
+        sampler=sampler,
+        max_tokens=params.max_tokens,
+        prefill_step_size=params.prefill_step,
+        prompt_progress_callback=check,
+    )
+    start = perf_counter()
+    first = None
+    reason = "length"
+    produced = 0
+    for token, _ in steps:
+        if first is None:
+            first = perf_counter()
+        if token in lm.eos_token_ids:
+            reason = "stop"
+            break
+        produced += 1
+        detokenizer.add_token(token)
+        if piece := detokenizer.last_segment:
+            emit(TextDelta(piece))
+        if cancelled():
+            raise Cancelled
+    detokenizer.finalize()
+    if piece := detokenizer.last_segment:
+        emit(TextDelta(piece))
+    end = perf_counter()
+    first = first or end
+    prompt_len = len(params.prompt)
+    return Finished(
+        reason=reason,
+        usage=Usage(input_tokens=prompt_len, output_tokens=produced),
+        prefill_tps=prompt_len / max(first - start, 1e-9),
+        decode_tps=(produced - 1) / (end - first) if produced > 1 and end > first else 0.0,
+    )

@@ -1,0 +1,135 @@
+"""Load an mlx-lm model directory for serving.
+
+On Metal a quantized model stays quantized. MLX's CPU backend has no fast quantized or
+half-precision matmul (see design/FACTS.md), so there every weight is made float32 at
+load time; the model listing reports which.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+
+log = logging.getLogger("lmsp_mlx.engine")
+
+CAPABILITIES = ("text",)
+
+
+class ModelLoadError(RuntimeError):
+    """The model path cannot be served; the message is one line for the user."""
+
+
+@dataclass
+class LoadedModel:
+    id: str
+    path: Path
+    model: nn.Module
+    tokenizer: Any  # mlx_lm TokenizerWrapper
+    context_length: int
+    quantization: str
+    backend: str
+    capabilities: tuple[str, ...] = CAPABILITIES
+    eos_token_ids: frozenset[int] = field(default_factory=frozenset)
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "object": "model",
+            "context_length": self.context_length,
+            "capabilities": list(self.capabilities),
+            "quantization": self.quantization,
+            "backend": self.backend,
+        }
+
+
+def backend_name() -> str:
+    if mx.metal.is_available():
+        return "metal"
+    if hasattr(mx, "cuda") and mx.cuda.is_available():
+        return "cuda"
+    return "cpu"
+
+
+def check_model_dir(path: Path) -> dict:
+    """Validate a directory before the (slow) load; returns its config."""
+    if not path.exists():
+        raise ModelLoadError(f"model path {path} does not exist")
+    if not path.is_dir():
+        raise ModelLoadError(f"model path {path} is not a directory")
+    config_file = path / "config.json"
+    if not config_file.exists():
+        raise ModelLoadError(f"{path} has no config.json: not an mlx-lm model directory")
+    try:
+        config = json.loads(config_file.read_text())
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(f"{config_file} is not valid JSON: {exc}") from None
+    if not isinstance(config, dict) or "model_type" not in config:
+        raise ModelLoadError(f"{config_file} has no model_type")
+    if not list(path.glob("*.safetensors")):
+        raise ModelLoadError(f"{path} has no .safetensors weights")
+    if not any((path / f).exists() for f in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")):
+        raise ModelLoadError(f"{path} has no tokenizer files")
+    return config
+
+
+def _to_float32(model: nn.Module) -> None:
+    """Dequantize every quantized layer in float32 and cast the rest to float32."""
+    from mlx_lm.utils import dequantize_model
+
+    for _, module in model.named_modules():
+        if isinstance(module, (nn.QuantizedLinear, nn.QuantizedEmbedding)) or hasattr(module, "scales"):
+            # float32 scales and biases make mx.dequantize produce exact float32 weights.
+            module.scales = module.scales.astype(mx.float32)
+            if getattr(module, "biases", None) is not None:
+                module.biases = module.biases.astype(mx.float32)
+    dequantize_model(model)
+    model.set_dtype(mx.float32)
+    mx.eval(model.parameters())
+
+
+def _describe_quantization(config: dict) -> str:
+    q = config.get("quantization")
+    if not q:
+        return config.get("torch_dtype") or "float"
+    return f"{q.get('mode', 'affine')}-{q['bits']}bit-g{q['group_size']}"
+
+
+def load_model(path: Path, *, model_id: str | None = None, ctx: int | None = None) -> LoadedModel:
+    from mlx_lm.utils import load
+
+    config = check_model_dir(path)
+    backend = backend_name()
+    log.info("loading %s on %s", path, backend)
+    try:
+        model, tokenizer = load(str(path))
+    except Exception as exc:  # mlx-lm raises many kinds for a broken directory
+        raise ModelLoadError(f"cannot load {path}: {type(exc).__name__}: {exc}") from None
+    stored = _describe_quantization(config)
+    if backend == "cpu":
+        _to_float32(model)
+        quantization = "float32" if stored.startswith("float") else f"float32 (dequantized from {stored})"
+    else:
+        quantization = stored
+    trained = int(config.get("max_position_embeddings") or config.get("max_seq_len") or 4096)
+    context_length = ctx or trained
+    if context_length > trained:
+        log.warning("--ctx %d exceeds the %d positions %s was trained on", ctx, trained, path.name)
+    eos = set(tokenizer.eos_token_ids or ())
+    if tokenizer.eos_token_id is not None:
+        eos.add(tokenizer.eos_token_id)
+    return LoadedModel(
+        id=model_id or path.name,
+        path=path,
+        model=model,
+        tokenizer=tokenizer,
+        context_length=context_length,
+        quantization=quantization,
+        backend=backend,
+        eos_token_ids=frozenset(eos),
+    )

@@ -1,0 +1,123 @@
+"""The one worker thread that owns the model.
+
+MLX arrays and the model live on this thread only: it loads the model, then runs queued
+jobs one at a time. Requests talk to it through `Job`s: a bounded queue in, an asyncio
+queue of `GenerationEvent`s out (handed over with `call_soon_threadsafe`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..protocol.problems import Problem
+from .events import Failed, Finished, GenerationEvent, Usage
+from .generate import Cancelled, GenerationParams, generate
+from .loader import LoadedModel, load_model
+
+log = logging.getLogger("lmsp_mlx.engine")
+
+
+@dataclass
+class Job:
+    params: GenerationParams
+    route: str
+    loop: asyncio.AbstractEventLoop
+    events: asyncio.Queue = field(default_factory=asyncio.Queue)
+    _cancel: threading.Event = field(default_factory=threading.Event)
+
+    def emit(self, event: GenerationEvent) -> None:
+        self.loop.call_soon_threadsafe(self.events.put_nowait, event)
+
+    def cancel(self) -> None:
+        self._cancel.set()
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancel.is_set()
+
+    async def stream(self):
+        """Yield events until the ending one (`Finished` or `Failed`), inclusive."""
+        while True:
+            event = await self.events.get()
+            yield event
+            if isinstance(event, (Finished, Failed)):
+                return
+
+
+class Engine:
+    def __init__(self, model_path: Path, *, ctx: int | None, max_queue: int, model_id: str | None = None):
+        self._path = model_path
+        self._ctx = ctx
+        self._model_id = model_id
+        self._jobs: queue.Queue[Job | None] = queue.Queue(maxsize=max_queue)
+        self._ready = threading.Event()
+        self._error: Exception | None = None
+        self.model: LoadedModel | None = None
+        self._thread = threading.Thread(target=self._run, name="lmsp-worker", daemon=True)
+
+    def start(self) -> LoadedModel:
+        """Start the worker and wait until the model is loaded (or raise why not)."""
+        self._thread.start()
+        self._ready.wait()
+        if self._error is not None:
+            raise self._error
+        assert self.model is not None
+        return self.model
+
+    def stop(self) -> None:
+        if self._thread.is_alive():
+            self._jobs.put(None)
+            self._thread.join(timeout=30)
+
+    def submit(self, params: GenerationParams, route: str) -> Job:
+        job = Job(params=params, route=route, loop=asyncio.get_running_loop())
+        try:
+            self._jobs.put_nowait(job)
+        except queue.Full:
+            raise Problem(
+                "queue_full",
+                f"{self._jobs.maxsize} requests are already waiting for the model; retry shortly",
+                headers={"Retry-After": "1"},
+            ) from None
+        return job
+
+    def _run(self) -> None:
+        try:
+            self.model = load_model(self._path, model_id=self._model_id, ctx=self._ctx)
+        except Exception as exc:
+            self._error = exc
+            return
+        finally:
+            self._ready.set()
+        while (job := self._jobs.get()) is not None:
+            self._run_job(job)
+
+    def _run_job(self, job: Job) -> None:
+        lm = self.model
+        assert lm is not None
+        prompt_len = len(job.params.prompt)
+        try:
+            if job.cancelled:
+                raise Cancelled
+            done = generate(lm, job.params, job.emit, lambda: job.cancelled)
+        except Cancelled:
+            done = Finished("cancelled", Usage(prompt_len, 0))
+        except Exception as exc:  # the request fails, the worker keeps serving
+            log.exception("generation failed")
+            job.emit(Failed(f"generation failed: {type(exc).__name__}: {exc}"))
+            self._log(job, lm, "failed", Usage(prompt_len, 0), 0.0, 0.0)
+            return
+        job.emit(done)
+        self._log(job, lm, done.reason, done.usage, done.prefill_tps, done.decode_tps)
+
+    @staticmethod
+    def _log(job: Job, lm: LoadedModel, status: str, usage: Usage, prefill: float, decode: float) -> None:
+        log.info(
+            "request route=%s model=%s prompt_tokens=%d output_tokens=%d prefill_tps=%.1f decode_tps=%.1f status=%s",
+            job.route, lm.id, usage.input_tokens, usage.output_tokens, prefill, decode, status,
+        )

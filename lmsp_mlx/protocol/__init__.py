@@ -1,0 +1,1 @@
+"""Wire types: requests, items, response objects, stream events and problem documents."""

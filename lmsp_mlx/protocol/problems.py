@@ -1,0 +1,94 @@
+"""Problem documents (RFC 9457), the one error type every route raises.
+
+The table of codes and statuses is PROTOCOL.md's; a route raises `Problem` and the
+server renders it as `application/problem+json` on LMSP routes or as an OpenAI-style
+`{"error": {...}}` on /v1 routes.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+STATUS = {
+    "invalid_request": 400,
+    "unsupported_version": 400,
+    "unsupported_capability": 400,
+    "context_length_exceeded": 400,
+    "unknown_call_id": 400,
+    "reasoning_state_missing": 400,
+    "unauthorized": 401,
+    "insufficient_scope": 403,
+    "not_found": 404,
+    "model_not_found": 404,
+    "response_not_found": 404,
+    "task_not_found": 404,
+    "method_not_allowed": 405,
+    "continuation_state_unavailable": 409,
+    "event_history_expired": 410,
+    "payload_too_large": 413,
+    "idempotency_key_reused": 422,
+    "queue_full": 429,
+    "internal_error": 500,
+}
+
+TITLES = {
+    "invalid_request": "Invalid request",
+    "unsupported_version": "Unsupported LMSP version",
+    "unsupported_capability": "Unsupported capability",
+    "context_length_exceeded": "Context length exceeded",
+    "unauthorized": "Unauthorized",
+    "not_found": "Not found",
+    "model_not_found": "Model not found",
+    "method_not_allowed": "Method not allowed",
+    "payload_too_large": "Payload too large",
+    "queue_full": "Queue full",
+    "internal_error": "Internal error",
+}
+
+# OpenAI-style `error.type` for the /v1 rendering of the same problem.
+_OPENAI_TYPES = {
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    429: "rate_limit_error",
+    500: "server_error",
+}
+
+
+class Problem(Exception):
+    """An error the client caused or must know about, with its PROTOCOL.md code."""
+
+    def __init__(
+        self,
+        code: str,
+        detail: str,
+        *,
+        param: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(detail)
+        self.code = code
+        self.detail = detail
+        self.param = param
+        self.status = STATUS[code]
+        self.headers = headers or {}
+
+    @property
+    def title(self) -> str:
+        return TITLES.get(self.code, self.code.replace("_", " ").capitalize())
+
+    def document(self) -> dict[str, Any]:
+        doc: dict[str, Any] = {
+            "type": f"urn:lmsp:problem:{self.code}",
+            "title": self.title,
+            "status": self.status,
+            "detail": self.detail,
+            "code": self.code,
+        }
+        if self.param is not None:
+            doc["param"] = self.param
+        return doc
+
+    def openai_error(self) -> dict[str, Any]:
+        kind = _OPENAI_TYPES.get(self.status, "invalid_request_error")
+        return {"message": self.detail, "type": kind, "code": self.code, "param": self.param}

@@ -1,0 +1,165 @@
+"""Request bodies of POST /lmsp/v1/responses (section 6.1) and POST /v1/responses.
+
+Both routes parse into `ResponsesRequest`; the /v1 variant accepts the extra fields
+OpenAI-style clients send (`instructions`, `text`, the `developer` role, ...). Unknown
+top-level fields are ignored so newer clients keep working; unknown item and content
+types are rejected, because silently dropping part of a conversation changes its meaning.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from .problems import Problem
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+
+class InputText(_Strict):
+    type: Literal["input_text"]
+    text: str
+
+
+class OutputText(_Strict):
+    type: Literal["output_text"]
+    text: str
+
+
+class UnsupportedContent(_Strict):
+    """Content parts LMSP reserves for later versions (images, audio, files)."""
+
+    type: Literal["input_image", "input_audio", "input_file"]
+
+
+ContentPart = Annotated[
+    Union[InputText, OutputText, UnsupportedContent], Field(discriminator="type")
+]
+
+
+class MessageItem(_Strict):
+    type: Literal["message"] = "message"
+    role: Literal["system", "developer", "user", "assistant"]
+    content: Union[str, list[ContentPart]]
+    id: str | None = None
+    status: str | None = None
+
+    def text(self) -> str:
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(p.text for p in self.content if isinstance(p, (InputText, OutputText)))
+
+
+class FunctionCallItem(_Strict):
+    type: Literal["function_call"]
+    call_id: str
+    name: str
+    arguments: str
+    id: str | None = None
+
+
+class FunctionCallOutputItem(_Strict):
+    type: Literal["function_call_output"]
+    call_id: str
+    output: Any
+
+
+class ReasoningItem(_Strict):
+    type: Literal["reasoning"]
+    summary: list[Any] = []
+    id: str | None = None
+
+
+InputItem = Annotated[
+    Union[MessageItem, FunctionCallItem, FunctionCallOutputItem, ReasoningItem],
+    Field(discriminator="type"),
+]
+
+
+class TextFormat(_Strict):
+    type: Literal["text", "json_schema", "json_object"]
+    model_config = ConfigDict(extra="allow", strict=True)
+
+
+class ResponsesRequest(_Strict):
+    model: str
+    input: Union[str, list[InputItem]]
+    stream: bool = False
+    max_output_tokens: Annotated[int, Field(ge=1)] | None = None
+    temperature: Annotated[float, Field(ge=0, le=2)] | None = None
+    top_p: Annotated[float, Field(gt=0, le=1)] | None = None
+    response_format: TextFormat | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Union[str, dict[str, Any]] | None = None
+    store: bool = False
+    previous_response_id: str | None = None
+    extensions: dict[str, Any] | None = None
+    # Fields of the OpenAI-style /v1 route (ignored on LMSP when absent).
+    instructions: str | None = None
+    text: dict[str, Any] | None = None
+
+    @field_validator("temperature", "top_p", mode="before")
+    @classmethod
+    def _int_is_a_float(cls, value: Any) -> Any:
+        # JSON has one number type: `"temperature": 0` is as good as 0.0.
+        if isinstance(value, int) and not isinstance(value, bool):
+            return float(value)
+        return value
+
+    def items(self) -> list[InputItem]:
+        if isinstance(self.input, str):
+            return [MessageItem(role="user", content=self.input)]
+        return list(self.input)
+
+
+_UNION_TAGS = {
+    "message", "function_call", "function_call_output", "reasoning",
+    "input_text", "output_text", "input_image", "input_audio", "input_file",
+}
+
+
+def _location(loc: tuple) -> str:
+    """JSON path of a pydantic error location, without its union-branch labels."""
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif part in ("str",) or part.startswith(("list[", "tagged-union[")) or part in _UNION_TAGS:
+            continue
+        else:
+            out += f".{part}" if out else part
+    return out
+
+
+def parse_request(body: Any, *, default_type: bool = True) -> ResponsesRequest:
+    """Validate a decoded JSON body; every failure is a 400 `invalid_request` problem."""
+    if not isinstance(body, dict):
+        raise Problem("invalid_request", "the request body must be a JSON object")
+    if default_type and isinstance(body.get("input"), list):
+        # OpenAI's "easy input message" omits `type`; it means a message.
+        body = dict(body)
+        body["input"] = [
+            {**item, "type": "message"} if isinstance(item, dict) and "type" not in item and "role" in item else item
+            for item in body["input"]
+        ]
+    try:
+        return ResponsesRequest.model_validate(body)
+    except ValidationError as exc:
+        # A union reports one error per branch; the deepest one is what the client got wrong.
+        err = max(exc.errors(), key=lambda e: len(e["loc"]))
+        where = _location(err["loc"])
+        if err["type"] == "union_tag_invalid":
+            tag = err.get("ctx", {}).get("tag")
+            msg = f"unknown type {tag!r} at {where}"
+        elif err["type"] == "union_tag_not_found":
+            msg = f"{where} has no 'type'"
+        elif where == "input" and err["type"] in ("string_type", "list_type"):
+            msg = "input must be a string or an array of input items"
+        elif err["type"] == "missing":
+            msg = f"missing required field {where}"
+        else:
+            msg = f"{where}: {err['msg']}" if where else err["msg"]
+        raise Problem("invalid_request", msg, param=where or None) from None

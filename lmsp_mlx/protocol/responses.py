@@ -1,0 +1,109 @@
+"""Response objects (section 6.2) and their OpenAI/Open Responses rendering for /v1."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel
+
+Status = Literal["in_progress", "completed", "incomplete", "failed", "cancelled"]
+
+
+class OutputTextPart(BaseModel):
+    type: Literal["output_text"] = "output_text"
+    text: str
+
+
+class MessageOutput(BaseModel):
+    id: str
+    type: Literal["message"] = "message"
+    role: Literal["assistant"] = "assistant"
+    content: list[OutputTextPart]
+
+
+class ResponseUsage(BaseModel):
+    input_tokens: int
+    output_tokens: int
+    total_tokens: int
+
+
+class IncompleteDetails(BaseModel):
+    reason: str
+
+
+class ResponseObject(BaseModel):
+    """Exactly the fields of section 6.2."""
+
+    id: str
+    object: Literal["response"] = "response"
+    created_at: int
+    status: Status
+    model: str
+    output: list[MessageOutput]
+    usage: ResponseUsage | None
+    error: dict[str, Any] | None = None
+    incomplete_details: IncompleteDetails | None = None
+
+
+def v1_response(resp: ResponseObject, request: Any, completed_at: int | None) -> dict[str, Any]:
+    """The same response as OpenAI-style clients expect it on /v1/responses."""
+    item_status = "completed" if resp.status == "completed" else (
+        "in_progress" if resp.status == "in_progress" else "incomplete"
+    )
+    output = [
+        {
+            "id": item.id,
+            "type": "message",
+            "role": "assistant",
+            "status": item_status,
+            "content": [
+                {"type": "output_text", "text": part.text, "annotations": [], "logprobs": []}
+                for part in item.content
+            ],
+        }
+        for item in resp.output
+    ]
+    usage = None
+    if resp.usage is not None:
+        usage = {
+            **resp.usage.model_dump(),
+            "input_tokens_details": {"cached_tokens": 0},
+            "output_tokens_details": {"reasoning_tokens": 0},
+        }
+    error = None
+    if resp.error is not None:
+        error = {"code": resp.error.get("code", "server_error"), "message": resp.error.get("detail", "")}
+    return {
+        "id": resp.id,
+        "object": "response",
+        "created_at": resp.created_at,
+        "completed_at": completed_at,
+        "status": resp.status,
+        "model": resp.model,
+        "output": output,
+        "usage": usage,
+        "error": error,
+        "incomplete_details": resp.incomplete_details.model_dump() if resp.incomplete_details else None,
+        "instructions": request.instructions,
+        "max_output_tokens": request.max_output_tokens,
+        "max_tool_calls": None,
+        "metadata": {},
+        "parallel_tool_calls": True,
+        "previous_response_id": None,
+        "reasoning": {"effort": None, "summary": None},
+        "store": request.store,
+        "temperature": 1.0 if request.temperature is None else request.temperature,
+        "top_p": 1.0 if request.top_p is None else request.top_p,
+        "top_logprobs": 0,
+        "presence_penalty": 0.0,
+        "frequency_penalty": 0.0,
+        "text": {"format": {"type": "text"}},
+        "tool_choice": "auto",
+        "tools": [],
+        "truncation": "disabled",
+        "service_tier": "default",
+        "prompt_cache_key": None,
+        "safety_identifier": None,
+        "background": False,
+        "user": None,
+    }

@@ -1,0 +1,110 @@
+"""`python -m lmsp_mlx.serve`: flags -> model -> engine -> Quart app -> Hypercorn."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import ipaddress
+import logging
+import os
+import signal
+import sys
+from pathlib import Path
+
+from .engine.loader import ModelLoadError
+from .engine.model_store import DEFAULT_MODEL, ModelStoreError, default_models_dir, ensure_packaged_model
+from .engine.worker import Engine
+from .server.state import ServerSettings
+
+log = logging.getLogger("lmsp_mlx")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m lmsp_mlx.serve", description="Serve an MLX model over LMSP 1.0.")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000, help="port to bind (default 8000)")
+    p.add_argument("--model", type=Path, help="an mlx-lm model directory (default: the embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--model-id", help="the id clients use for the model (default: the directory name)")
+    p.add_argument("--models-dir", type=Path, help="the model store (default: models/ of the checkout, or $LMSP_MODELS_DIR)")
+    p.add_argument("--api-key", default=os.environ.get("LMSP_API_KEY"), help="require 'Authorization: Bearer KEY' (or $LMSP_API_KEY)")
+    p.add_argument("--ctx", type=int, help="context size in tokens (default: the model's trained context)")
+    p.add_argument("--max-queue", type=int, default=16, help="requests that may wait for the model before 429 (default 16)")
+    p.add_argument("--prefill-chunk", type=int, help="prefill chunk in tokens; cancellation is checked between chunks")
+    p.add_argument("--max-body-mb", type=float, default=16.0, help="largest request body in MiB (default 16)")
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    args = p.parse_args(argv)
+    for name in ("ctx", "max_queue", "prefill_chunk", "port"):
+        value = getattr(args, name)
+        if value is not None and value < (0 if name == "port" else 1):
+            p.error(f"--{name.replace('_', '-')} must be positive")
+    return args
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def _fail(message: str) -> int:
+    print(f"lmsp-mlx: error: {message}", file=sys.stderr)
+    return 2
+
+
+async def _serve(app, host: str, port: int) -> None:
+    from hypercorn.asyncio import serve
+    from hypercorn.config import Config
+
+    config = Config()
+    config.bind = [f"[{host}]:{port}" if ":" in host else f"{host}:{port}"]
+    config.accesslog = None
+    config.graceful_timeout = 5
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    log.info("serving on http://%s:%d (LMSP at /lmsp/v1, OpenAI-style at /v1)", host, port)
+    await serve(app, config, shutdown_trigger=stop.wait)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    if not args.api_key and not _is_loopback(args.host):
+        return _fail(f"refusing to bind {args.host} without --api-key (or LMSP_API_KEY): only loopback is open")
+    try:
+        if args.model is None:
+            model_path = ensure_packaged_model(DEFAULT_MODEL, args.models_dir or default_models_dir())
+        else:
+            model_path = args.model.expanduser()
+            if not model_path.exists() and args.models_dir and (args.models_dir / args.model).exists():
+                model_path = args.models_dir / args.model
+        engine = Engine(model_path, ctx=args.ctx, max_queue=args.max_queue, model_id=args.model_id)
+        lm = engine.start()
+    except (ModelStoreError, ModelLoadError) as exc:
+        return _fail(str(exc))
+    log.info("model %s ready: context %d, %s on %s", lm.id, lm.context_length, lm.quantization, lm.backend)
+
+    from .server.app import create_app
+
+    prefill = args.prefill_chunk or (256 if lm.backend == "cpu" else 2048)
+    settings = ServerSettings(api_key=args.api_key, prefill_step=prefill, max_body_bytes=int(args.max_body_mb * 1024 * 1024))
+    app = create_app(engine, settings)
+    try:
+        asyncio.run(_serve(app, args.host, args.port))
+    except OSError as exc:  # port in use, address not available
+        return _fail(f"cannot bind {args.host}:{args.port}: {exc.strerror or exc}")
+    finally:
+        engine.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""The Quart app: routes, auth, SSE framing, and the /v1 compatibility routes."""

@@ -1,0 +1,73 @@
+"""OpenAI-style compatibility routes (/v1) for the clients people already use.
+
+Same engine, Open Responses framing: lifecycle events carry the whole response object,
+deltas carry output_index/content_index, the stream ends with `data: [DONE]`.
+"""
+
+from __future__ import annotations
+
+from quart import Blueprint, Response
+
+from ..protocol.responses import v1_response
+from .run import ResponseRun
+from .sse import SSE_HEADERS, OpenResponsesEvents
+from .state import read_request, state
+
+bp = Blueprint("openai", __name__, url_prefix="/v1")
+
+
+@bp.get("/models")
+async def list_models():
+    lm = state().engine.model
+    return {"object": "list", "data": [{"id": lm.id, "object": "model", "created": 0, "owned_by": "lmsp-mlx"}]}
+
+
+@bp.post("/responses")
+async def create_response():
+    s = state()
+    req = await read_request()
+    run = ResponseRun(s.engine, req, "v1", s.settings.prefill_step)
+    await run.start()
+    if not req.stream:
+        resp = await run.run_to_end()
+        return v1_response(resp, req, run.completed_at)
+    return Response(stream_v1(run), mimetype="text/event-stream", headers=SSE_HEADERS)
+
+
+async def stream_v1(run: ResponseRun):
+    event = OpenResponsesEvents()
+    item_id = run.message_id
+
+    def snapshot():
+        return v1_response(run.response(), run.req, run.completed_at)
+
+    try:
+        yield event("response.created", response=snapshot())
+        yield event("response.in_progress", response=snapshot())
+        item = {"id": item_id, "type": "message", "role": "assistant", "status": "in_progress", "content": []}
+        yield event("response.output_item.added", output_index=0, item=item)
+        empty = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+        yield event("response.content_part.added", item_id=item_id, output_index=0, content_index=0, part=empty)
+        async for delta in run.deltas():
+            yield event(
+                "response.output_text.delta",
+                item_id=item_id, output_index=0, content_index=0, delta=delta, logprobs=[],
+            )
+        if run.status == "cancelled":
+            return
+        final = snapshot()
+        done_item = final["output"][0] if final["output"] else {**item, "status": "incomplete"}
+        part = done_item["content"][0] if done_item["content"] else empty
+        yield event(
+            "response.output_text.done",
+            item_id=item_id, output_index=0, content_index=0, text=part["text"], logprobs=[],
+        )
+        yield event("response.content_part.done", item_id=item_id, output_index=0, content_index=0, part=part)
+        yield event("response.output_item.done", output_index=0, item=done_item)
+        kind = {"completed": "response.completed", "incomplete": "response.incomplete"}.get(
+            run.status, "response.failed"
+        )
+        yield event(kind, response=final)
+        yield OpenResponsesEvents.DONE
+    finally:
+        run.cancel()

@@ -1,0 +1,154 @@
+"""One response from request to result, shared by the LMSP and /v1 routes.
+
+`ResponseRun` validates what the model can do, renders and measures the prompt, queues the
+job, and folds the worker's events into the response object; the routes only choose the
+framing (sync JSON, LMSP SSE, Open Responses SSE).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import AsyncIterator
+
+from ..engine.events import Failed, Finished, TextDelta
+from ..engine.generate import GenerationParams
+from ..engine.render import render, to_chat_messages
+from ..engine.worker import Engine
+from ..protocol.ids import new_id
+from ..protocol.problems import Problem
+from ..protocol.requests import ResponsesRequest
+from ..protocol.responses import (
+    IncompleteDetails,
+    MessageOutput,
+    OutputTextPart,
+    ResponseObject,
+    ResponseUsage,
+)
+
+
+def check_capabilities(req: ResponsesRequest, capabilities: tuple[str, ...]) -> None:
+    """400 `unsupported_capability` for what this model/service cannot do (yet)."""
+    fmt = req.response_format
+    if fmt is None and req.text and isinstance(req.text.get("format"), dict):
+        fmt_type, where = req.text["format"].get("type", "text"), "text.format"
+    else:
+        fmt_type, where = (fmt.type if fmt else "text"), "response_format"
+    if fmt_type != "text" and "structured_output" not in capabilities:
+        raise Problem(
+            "unsupported_capability",
+            f"response_format {fmt_type!r} needs the 'structured_output' capability this model lacks",
+            param=where,
+        )
+    wants_tools = bool(req.tools) or req.tool_choice not in (None, "auto", "none")
+    if wants_tools and "tools" not in capabilities:
+        raise Problem(
+            "unsupported_capability",
+            "tools need the 'tools' capability this model lacks",
+            param="tools" if req.tools else "tool_choice",
+        )
+    if req.previous_response_id is not None and "conversations" not in capabilities:
+        raise Problem(
+            "unsupported_capability",
+            "previous_response_id needs the 'conversations' capability this service lacks",
+            param="previous_response_id",
+        )
+
+
+class ResponseRun:
+    def __init__(self, engine: Engine, req: ResponsesRequest, route: str, prefill_step: int) -> None:
+        lm = engine.model
+        assert lm is not None
+        if req.model != lm.id:
+            raise Problem("model_not_found", f"model {req.model!r} is not served here; try {lm.id!r}", param="model")
+        check_capabilities(req, lm.capabilities)
+        self.engine = engine
+        self.req = req
+        self.route = route
+        self.prefill_step = prefill_step
+        self.id = new_id("resp")
+        self.message_id = new_id("msg")
+        self.created_at = int(time.time())
+        self.completed_at: int | None = None
+        self.status = "in_progress"
+        self.text: list[str] = []
+        self.usage: ResponseUsage | None = None
+        self.incomplete_reason: str | None = None
+        self.error: dict | None = None
+        self.job = None
+
+    async def start(self) -> None:
+        """Render and measure the prompt (off the event loop), then queue the job."""
+        lm = self.engine.model
+        messages = to_chat_messages(self.req.items(), self.req.instructions)
+        prompt = await asyncio.to_thread(render, lm.tokenizer, messages)
+        n, ctx = len(prompt.tokens), lm.context_length
+        if n >= ctx:
+            raise Problem(
+                "context_length_exceeded",
+                f"the prompt has {n} tokens but the model's context is {ctx} tokens "
+                "(at least one must remain for the output)",
+                param="input",
+            )
+        room = ctx - n
+        params = GenerationParams(
+            prompt=prompt.tokens,
+            max_tokens=min(self.req.max_output_tokens or room, room),
+            temperature=1.0 if self.req.temperature is None else self.req.temperature,
+            top_p=1.0 if self.req.top_p is None else self.req.top_p,
+            prefill_step=self.prefill_step,
+        )
+        self.job = self.engine.submit(params, self.route)
+
+    async def deltas(self) -> AsyncIterator[str]:
+        """The text pieces as the worker produces them; the final state is set at the end."""
+        async for event in self.job.stream():
+            if isinstance(event, TextDelta):
+                self.text.append(event.text)
+                yield event.text
+            elif isinstance(event, Finished):
+                u = event.usage
+                self.usage = ResponseUsage(
+                    input_tokens=u.input_tokens, output_tokens=u.output_tokens, total_tokens=u.total_tokens
+                )
+                if event.reason == "length":
+                    self.status, self.incomplete_reason = "incomplete", "max_output_tokens"
+                elif event.reason == "cancelled":
+                    self.status = "cancelled"
+                else:
+                    self.status = "completed"
+            elif isinstance(event, Failed):
+                self.status = "failed"
+                self.error = Problem("internal_error", event.message).document()
+        self.completed_at = int(time.time())
+
+    def cancel(self) -> None:
+        """The client left: stop the worker at its next prefill chunk or decode step."""
+        if self.job is not None and self.status == "in_progress":
+            self.job.cancel()
+
+    def message(self) -> MessageOutput:
+        return MessageOutput(id=self.message_id, content=[OutputTextPart(text="".join(self.text))])
+
+    def response(self) -> ResponseObject:
+        return ResponseObject(
+            id=self.id,
+            created_at=self.created_at,
+            status=self.status,
+            model=self.req.model,
+            output=[self.message()] if self.status != "in_progress" else [],
+            usage=self.usage,
+            error=self.error,
+            incomplete_details=IncompleteDetails(reason=self.incomplete_reason) if self.incomplete_reason else None,
+        )
+
+    async def run_to_end(self) -> ResponseObject:
+        """Synchronous mode; a failed generation is a 500 problem, not a response object."""
+        try:
+            async for _ in self.deltas():
+                pass
+        finally:
+            self.cancel()
+        if self.status == "failed":
+            raise Problem("internal_error", self.error["detail"])
+        return self.response()
