@@ -1,0 +1,136 @@
+"""Fixtures: real server processes (Hypercorn on a free loopback port) on real models."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+from tiny_model import ENDLESS, build_tiny_model  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_MODEL_ID = "SmolLM2-135M-Instruct"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """`python -m lmsp_mlx.serve ARGS` in a subprocess, its log in a file."""
+
+    def __init__(self, args: list[str], log_path: Path, env: dict | None = None) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_path
+        self._log = open(log_path, "w")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "lmsp_mlx.serve", "--port", str(self.port), *args],
+            cwd=ROOT, stdout=self._log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})},
+        )
+
+    def wait_ready(self, timeout: float = 600) -> "Server":
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited {self.proc.returncode}:\n{self.log()}")
+            try:
+                if httpx.get(self.url + "/healthz", timeout=1).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        raise RuntimeError(f"server not ready after {timeout}s:\n{self.log()}")
+
+    def log(self) -> str:
+        return self.log_path.read_text()
+
+    def wait_for_log(self, needle: str, timeout: float = 30) -> str:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            text = self.log()
+            if needle in text:
+                return text
+            time.sleep(0.1)
+        raise AssertionError(f"{needle!r} not logged within {timeout}s:\n{self.log()[-3000:]}")
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+        self._log.close()
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> Path:
+    return build_tiny_model(tmp_path_factory.mktemp("models") / "tiny")
+
+
+@pytest.fixture(scope="session")
+def start_server(tmp_path_factory):
+    started: list[Server] = []
+
+    def start(*args: str, env: dict | None = None) -> Server:
+        log = tmp_path_factory.mktemp("server") / "server.log"
+        server = Server(list(args), log, env)
+        started.append(server)
+        return server.wait_ready()
+
+    yield start
+    for server in started:
+        server.stop()
+
+
+@pytest.fixture(scope="session")
+def tiny_server(start_server, tiny_model_dir) -> Server:
+    return start_server("--model", str(tiny_model_dir), "--model-id", "tiny")
+
+
+@pytest.fixture(scope="session")
+def default_server(start_server) -> Server:
+    """The embedded default model, fetched and converted into models/ on first use."""
+    return start_server()
+
+
+@pytest.fixture
+def client(tiny_server):
+    with httpx.Client(base_url=tiny_server.url, timeout=120) as c:
+        yield c
+
+
+def ask(text: str = ENDLESS, **fields) -> dict:
+    """A /lmsp/v1/responses body for the tiny model: greedy, 8 tokens unless told."""
+    body = {"model": "tiny", "input": text, "temperature": 0, "max_output_tokens": 8}
+    body.update(fields)
+    return body
+
+
+def read_sse(lines) -> list[dict]:
+    """Parse an SSE stream into [{'id':..., 'event':..., 'data':...}] records."""
+    import json
+
+    events, current = [], {}
+    for line in lines:
+        if line == "":
+            if current:
+                events.append(current)
+                current = {}
+            continue
+        field, _, value = line.partition(": ")
+        if field == "data" and value != "[DONE]":
+            value = json.loads(value)
+        current[field] = value
+    if current:
+        events.append(current)
+    return events
