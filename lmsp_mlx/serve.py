@@ -61,6 +61,7 @@ async def _serve(app, host: str, port: int) -> None:
     config = Config()
     config.bind = [f"[{host}]:{port}" if ":" in host else f"{host}:{port}"]
     config.accesslog = None
+    config.errorlog = logging.getLogger("hypercorn.error")  # one handler: ours
     config.graceful_timeout = 5
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -107,4 +108,11 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    # MLX used from a non-main thread can abort in its C++ static destructors at exit
+    # ("terminate called without an active exception", ml-explore/mlx#3126). The worker
+    # has stopped and everything is flushed, so leave without running them.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

@@ -28,6 +28,11 @@ LONG_PREFILL = 1024  # prompts at least this long log their prefill progress
 class Cancelled(Exception):
     """The client went away; raised between prefill chunks or decode steps."""
 
+    def __init__(self, prefilled: int = 0, produced: int = 0) -> None:
+        super().__init__(f"cancelled after {prefilled} prompt and {produced} output tokens")
+        self.prefilled = prefilled
+        self.produced = produced
+
 
 @dataclass
 class GenerationParams:
@@ -46,7 +51,7 @@ def generate(
 ) -> Finished:
     def check(done: int, total: int) -> None:
         if cancelled():
-            raise Cancelled
+            raise Cancelled(prefilled=done)
         if total >= LONG_PREFILL and 0 < done < total:
             log.info("prefill %d/%d tokens", done, total)
 
@@ -76,7 +81,7 @@ def generate(
         if piece := detokenizer.last_segment:
             emit(TextDelta(piece))
         if cancelled():
-            raise Cancelled
+            raise Cancelled(prefilled=len(params.prompt), produced=produced)
     detokenizer.finalize()
     if piece := detokenizer.last_segment:
         emit(TextDelta(piece))

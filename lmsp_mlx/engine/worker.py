@@ -101,23 +101,25 @@ class Engine:
         lm = self.model
         assert lm is not None
         prompt_len = len(job.params.prompt)
+        extra = ""
         try:
             if job.cancelled:
                 raise Cancelled
             done = generate(lm, job.params, job.emit, lambda: job.cancelled)
-        except Cancelled:
-            done = Finished("cancelled", Usage(prompt_len, 0))
+        except Cancelled as stop:
+            done = Finished("cancelled", Usage(prompt_len, stop.produced))
+            extra = f" prefilled={stop.prefilled}/{prompt_len}"
         except Exception as exc:  # the request fails, the worker keeps serving
             log.exception("generation failed")
             job.emit(Failed(f"generation failed: {type(exc).__name__}: {exc}"))
             self._log(job, lm, "failed", Usage(prompt_len, 0), 0.0, 0.0)
             return
         job.emit(done)
-        self._log(job, lm, done.reason, done.usage, done.prefill_tps, done.decode_tps)
+        self._log(job, lm, done.reason, done.usage, done.prefill_tps, done.decode_tps, extra)
 
     @staticmethod
-    def _log(job: Job, lm: LoadedModel, status: str, usage: Usage, prefill: float, decode: float) -> None:
+    def _log(job: Job, lm: LoadedModel, status: str, usage: Usage, prefill: float, decode: float, extra: str = "") -> None:
         log.info(
-            "request route=%s model=%s prompt_tokens=%d output_tokens=%d prefill_tps=%.1f decode_tps=%.1f status=%s",
-            job.route, lm.id, usage.input_tokens, usage.output_tokens, prefill, decode, status,
+            "request route=%s model=%s prompt_tokens=%d output_tokens=%d prefill_tps=%.1f decode_tps=%.1f status=%s%s",
+            job.route, lm.id, usage.input_tokens, usage.output_tokens, prefill, decode, status, extra,
         )

@@ -1,0 +1,66 @@
+"""Start-up errors are one clear line, never a traceback."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+from conftest import ROOT
+
+
+def serve(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "lmsp_mlx.serve", "--port", "1", *args],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+    )
+
+
+def one_line_error(done: subprocess.CompletedProcess, *needles: str) -> None:
+    assert done.returncode == 2
+    assert "Traceback" not in done.stderr, done.stderr
+    # Progress log lines may come first; the error is one line, and the last.
+    errors = [l for l in done.stderr.splitlines() if l.startswith("lmsp-mlx: error:")]
+    assert len(errors) == 1 and done.stderr.rstrip().endswith(errors[0]), done.stderr
+    for needle in needles:
+        assert needle in errors[0]
+
+
+def test_missing_model_path(tmp_path):
+    one_line_error(serve("--model", str(tmp_path / "nowhere")), "does not exist")
+
+
+def test_model_path_is_a_file(tmp_path):
+    f = tmp_path / "model.gguf"
+    f.write_text("x")
+    one_line_error(serve("--model", str(f)), "not a directory")
+
+
+@pytest.mark.parametrize(
+    "files, needle",
+    [
+        ({}, "no config.json"),
+        ({"config.json": "{not json"}, "not valid JSON"),
+        ({"config.json": "{}"}, "model_type"),
+        ({"config.json": '{"model_type": "llama"}'}, "no .safetensors"),
+        ({"config.json": '{"model_type": "llama"}', "model.safetensors": "garbage"}, "tokenizer"),
+    ],
+)
+def test_malformed_model_directory(tmp_path, files, needle):
+    for name, text in files.items():
+        (tmp_path / name).write_text(text)
+    one_line_error(serve("--model", str(tmp_path)), needle)
+
+
+def test_corrupt_weights(tmp_path, tiny_model_dir):
+    import shutil
+
+    broken = tmp_path / "broken"
+    shutil.copytree(tiny_model_dir, broken)
+    (broken / "model.safetensors").write_bytes(b"\x00" * 64)
+    one_line_error(serve("--model", str(broken)), "cannot load")
+
+
+def test_bad_flag_values():
+    done = serve("--max-queue", "0")
+    assert done.returncode == 2 and "--max-queue" in done.stderr and "Traceback" not in done.stderr

@@ -1,0 +1,117 @@
+"""The single worker: disconnects stop generation, the bounded queue answers 429."""
+
+from __future__ import annotations
+
+import re
+import threading
+import time
+
+import httpx
+from conftest import ask
+from tiny_model import FINISHES
+
+
+def cancelled_line(server, after: int) -> str:
+    """The first `status=cancelled` request log line logged after `after` lines."""
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        lines = [l for l in server.log().splitlines() if "request route=" in l][after:]
+        for line in lines:
+            if "status=cancelled" in line:
+                return line
+        time.sleep(0.05)
+    raise AssertionError("no cancelled request logged:\n" + server.log()[-2000:])
+
+
+def request_lines(server) -> int:
+    return sum("request route=" in l for l in server.log().splitlines())
+
+
+def test_disconnect_during_decode_stops_generation(tiny_server):
+    before = request_lines(tiny_server)
+    with httpx.Client(base_url=tiny_server.url, timeout=60) as c:
+        with c.stream("POST", "/lmsp/v1/responses", json=ask(max_output_tokens=30000, stream=True)) as r:
+            deltas = 0
+            for line in r.iter_lines():
+                deltas += line.startswith("event: response.output_text.delta")
+                if deltas == 3:
+                    break
+    line = cancelled_line(tiny_server, before)
+    produced = int(re.search(r"output_tokens=(\d+)", line).group(1))
+    assert 3 <= produced < 30000
+    # The server keeps serving.
+    r = httpx.post(tiny_server.url + "/lmsp/v1/responses", json=ask(FINISHES, max_output_tokens=50), timeout=60)
+    assert r.json()["status"] == "completed"
+
+
+def test_disconnect_during_prefill_stops_within_a_chunk(tiny_server):
+    before = request_lines(tiny_server)
+    long_prompt = "many words " * 2500  # about 28k tokens: 100+ prefill chunks
+    with httpx.Client(base_url=tiny_server.url, timeout=60) as c:
+        with c.stream("POST", "/lmsp/v1/responses", json=ask(long_prompt, stream=True)) as r:
+            for line in r.iter_lines():
+                if line.startswith("event: response.created"):
+                    break
+    line = cancelled_line(tiny_server, before)
+    done, total = map(int, re.search(r"prefilled=(\d+)/(\d+)", line).groups())
+    assert total > 20000 and done < total
+    assert "output_tokens=0" in line
+
+
+def test_sync_client_disconnect_cancels_too(tiny_server):
+    before = request_lines(tiny_server)
+    try:
+        httpx.post(tiny_server.url + "/lmsp/v1/responses", json=ask(max_output_tokens=30000), timeout=1.5)
+    except httpx.TimeoutException:
+        pass
+    line = cancelled_line(tiny_server, before)
+    assert int(re.search(r"output_tokens=(\d+)", line).group(1)) < 30000
+
+
+class BusyStream(threading.Thread):
+    """Keeps one long streaming generation running (and read) until `stop()`."""
+
+    def __init__(self, url: str) -> None:
+        super().__init__()
+        self.url = url
+        self.generating = threading.Event()
+        self._finish = threading.Event()
+
+    def run(self) -> None:
+        with httpx.Client(base_url=self.url, timeout=120) as c:
+            with c.stream("POST", "/lmsp/v1/responses", json=ask(max_output_tokens=30000, stream=True)) as r:
+                for line in r.iter_lines():
+                    if line.startswith("event: response.output_text.delta"):
+                        self.generating.set()
+                    if self._finish.is_set():
+                        return
+
+    def stop(self) -> None:
+        self._finish.set()
+        self.join(timeout=60)
+
+
+def test_full_queue_answers_429_with_retry_after(start_server, tiny_model_dir):
+    server = start_server("--model", str(tiny_model_dir), "--model-id", "tiny", "--max-queue", "1")
+    queued: dict = {}
+
+    def wait_in_queue():
+        queued["r"] = httpx.post(server.url + "/lmsp/v1/responses", json=ask(FINISHES, max_output_tokens=20), timeout=120)
+
+    busy = BusyStream(server.url)
+    busy.start()
+    try:
+        assert busy.generating.wait(timeout=60)
+        waiter = threading.Thread(target=wait_in_queue)
+        waiter.start()
+        time.sleep(1.0)  # the waiter's request now sits in the one queue slot
+        r = httpx.post(server.url + "/lmsp/v1/responses", json=ask(), timeout=30)
+        assert r.status_code == 429
+        assert r.headers["Retry-After"].isdigit()
+        assert r.json()["code"] == "queue_full"
+        assert "queue_full" in httpx.post(server.url + "/v1/responses", json=ask(), timeout=30).text
+    finally:
+        busy.stop()
+    waiter.join(timeout=120)
+    assert queued["r"].status_code == 200
+    assert queued["r"].json()["status"] == "completed"

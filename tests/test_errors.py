@@ -1,0 +1,142 @@
+"""Bad input gets a problem document with the right status (PROTOCOL.md), never a 500."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import ask
+
+PROBLEM_FIELDS = {"type", "title", "status", "detail", "code"}
+
+
+def problem(r, status: int, code: str) -> dict:
+    assert r.status_code == status, r.text
+    assert r.headers["content-type"].startswith("application/problem+json")
+    assert r.headers["LMSP-Version"] == "1.0"
+    doc = r.json()
+    assert PROBLEM_FIELDS <= set(doc)
+    assert doc["status"] == status and doc["code"] == code
+    assert doc["type"] == f"urn:lmsp:problem:{code}"
+    return doc
+
+
+def test_malformed_json(client):
+    r = client.post("/lmsp/v1/responses", content=b'{"model": "tiny", "input": ', headers={"content-type": "application/json"})
+    problem(r, 400, "invalid_request")
+
+
+def test_body_must_be_an_object(client):
+    problem(client.post("/lmsp/v1/responses", json=["tiny"]), 400, "invalid_request")
+
+
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        ({"input": "hi"}, "model"),
+        ({"model": "tiny"}, "input"),
+        ({"model": 5, "input": "hi"}, "model"),
+        ({"model": "tiny", "input": 5}, "input"),
+        ({"model": "tiny", "input": "hi", "stream": "yes"}, "stream"),
+        ({"model": "tiny", "input": "hi", "max_output_tokens": 0}, "max_output_tokens"),
+        ({"model": "tiny", "input": "hi", "max_output_tokens": "8"}, "max_output_tokens"),
+        ({"model": "tiny", "input": "hi", "temperature": "hot"}, "temperature"),
+        ({"model": "tiny", "input": "hi", "temperature": -1}, "temperature"),
+        ({"model": "tiny", "input": "hi", "top_p": 0}, "top_p"),
+        ({"model": "tiny", "input": "hi", "store": "yes"}, "store"),
+        ({"model": "tiny", "input": [{"type": "message", "role": "robot", "content": "x"}]}, "input[0].role"),
+        ({"model": "tiny", "input": [{"type": "message", "role": "user"}]}, "input[0].content"),
+        ({"model": "tiny", "input": [{"type": "message", "role": "user", "content": [{"type": "input_text"}]}]},
+         "input[0].content[0].text"),
+    ],
+)
+def test_missing_and_ill_typed_fields(client, body, param):
+    doc = problem(client.post("/lmsp/v1/responses", json=body), 400, "invalid_request")
+    assert doc["param"] == param
+    assert param.split(".")[-1].split("[")[0] in doc["detail"]
+
+
+def test_unknown_item_type(client):
+    doc = problem(client.post("/lmsp/v1/responses", json=ask(input=[{"type": "telepathy"}])), 400, "invalid_request")
+    assert "telepathy" in doc["detail"] and doc["param"] == "input[0]"
+
+
+def test_unknown_content_type(client):
+    items = [{"type": "message", "role": "user", "content": [{"type": "input_smell", "text": "x"}]}]
+    doc = problem(client.post("/lmsp/v1/responses", json=ask(input=items)), 400, "invalid_request")
+    assert "input_smell" in doc["detail"] and doc["param"] == "input[0].content[0]"
+
+
+def test_reserved_content_types_are_unsupported(client):
+    items = [{"type": "message", "role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]
+    doc = problem(client.post("/lmsp/v1/responses", json=ask(input=items)), 400, "unsupported_capability")
+    assert "input_image" in doc["detail"]
+
+
+def test_unknown_model(client):
+    doc = problem(client.post("/lmsp/v1/responses", json=ask(model="gpt-9")), 404, "model_not_found")
+    assert "gpt-9" in doc["detail"]
+
+
+def test_prompt_over_the_context(start_server, tiny_model_dir):
+    import httpx
+
+    server = start_server("--model", str(tiny_model_dir), "--model-id", "tiny", "--ctx", "64")
+    r = httpx.post(server.url + "/lmsp/v1/responses", json=ask("word " * 100))
+    doc = problem(r, 400, "context_length_exceeded")
+    assert "64" in doc["detail"]
+    prompt_tokens = [int(w) for w in doc["detail"].split() if w.isdigit() and int(w) != 64]
+    assert prompt_tokens and prompt_tokens[0] > 64
+    # A prompt that fits is clamped to the room left, never past the context.
+    ok = httpx.post(server.url + "/lmsp/v1/responses", json=ask("hi", max_output_tokens=1000), timeout=60).json()
+    assert ok["status"] == "incomplete"
+    assert ok["usage"]["total_tokens"] == 64
+
+
+def test_unsupported_lmsp_version(client):
+    r = client.post("/lmsp/v1/responses", json=ask(), headers={"LMSP-Version": "2.0"})
+    doc = problem(r, 400, "unsupported_version")
+    assert "2.0" in doc["detail"]
+    assert client.post("/lmsp/v1/responses", json=ask(), headers={"LMSP-Version": "1.0"}).status_code == 200
+
+
+@pytest.mark.parametrize(
+    "fields, param",
+    [
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}},
+         "response_format"),
+        ({"tools": [{"type": "function", "name": "f", "description": "d", "parameters": {"type": "object"}}]}, "tools"),
+        ({"tool_choice": "required"}, "tool_choice"),
+        ({"previous_response_id": "resp_01J8M6Q4W2T7N5R3V9X1Z8B0DF"}, "previous_response_id"),
+        ({"input": [{"type": "function_call_output", "call_id": "call_1", "output": "{}"}]}, "input[0]"),
+    ],
+)
+def test_capabilities_the_model_lacks(client, fields, param):
+    doc = problem(client.post("/lmsp/v1/responses", json=ask(**fields)), 400, "unsupported_capability")
+    assert doc["param"] == param
+
+
+def test_oversized_body(start_server, tiny_model_dir):
+    import httpx
+
+    server = start_server("--model", str(tiny_model_dir), "--model-id", "tiny", "--max-body-mb", "0.01")
+    r = httpx.post(server.url + "/lmsp/v1/responses", json=ask("x" * 20000))
+    problem(r, 413, "payload_too_large")
+
+
+def test_unknown_route_and_method(client):
+    problem(client.get("/lmsp/v1/nothing-here"), 404, "not_found")
+    problem(client.get("/lmsp/v1/responses"), 405, "method_not_allowed")
+
+
+def test_v1_errors_are_openai_shaped(client):
+    r = client.post("/v1/responses", json=ask(model="gpt-9"))
+    assert r.status_code == 404
+    err = r.json()["error"]
+    assert err["code"] == "model_not_found" and "gpt-9" in err["message"] and err["param"] == "model"
+    r = client.post("/v1/responses", content=b"{", headers={"content-type": "application/json"})
+    assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_errors_leave_the_server_serving(client):
+    for _ in range(3):
+        client.post("/lmsp/v1/responses", content=b"nope")
+    assert client.post("/lmsp/v1/responses", json=ask()).status_code == 200

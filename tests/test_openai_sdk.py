@@ -1,0 +1,48 @@
+"""The official OpenAI Python SDK against /v1/responses, on the real default model."""
+
+from __future__ import annotations
+
+import openai
+import pytest
+from conftest import DEFAULT_MODEL_ID
+
+
+@pytest.fixture(scope="module")
+def sdk(default_server):
+    return openai.OpenAI(base_url=default_server.url + "/v1", api_key="unused", timeout=300, max_retries=0)
+
+
+def test_responses_create(sdk):
+    r = sdk.responses.create(model=DEFAULT_MODEL_ID, input="What is the capital of France?", temperature=0)
+    assert r.status == "completed"
+    assert "Paris" in r.output_text
+    assert r.usage.input_tokens > 10 and r.usage.output_tokens > 0
+    assert r.usage.total_tokens == r.usage.input_tokens + r.usage.output_tokens
+
+
+def test_responses_stream_and_final_response(sdk):
+    deltas = []
+    with sdk.responses.stream(
+        model=DEFAULT_MODEL_ID,
+        instructions="You answer in one short sentence.",
+        input=[{"role": "user", "content": "What is the capital of France?"}],
+        temperature=0,
+        max_output_tokens=40,
+    ) as stream:
+        for event in stream:
+            if event.type == "response.output_text.delta":
+                deltas.append(event.delta)
+        final = stream.get_final_response()
+    assert final.status == "completed"
+    assert final.output_text == "".join(deltas)
+    assert "Paris" in final.output_text
+
+
+def test_incomplete_and_errors_through_the_sdk(sdk):
+    r = sdk.responses.create(model=DEFAULT_MODEL_ID, input="Tell me a long story.", max_output_tokens=4)
+    assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"
+    assert r.usage.output_tokens == 4
+    with pytest.raises(openai.NotFoundError):
+        sdk.responses.create(model="no-such-model", input="hi")
+    with pytest.raises(openai.BadRequestError):
+        sdk.responses.create(model=DEFAULT_MODEL_ID, input=[{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}])
