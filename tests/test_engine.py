@@ -68,6 +68,15 @@ def test_sync_client_disconnect_cancels_too(tiny_server):
     assert int(re.search(r"output_tokens=(\d+)", line).group(1)) < 30000
 
 
+def wait_for_metric(server, line: str, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if line in httpx.get(server.url + "/metrics").text.splitlines():
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"/metrics never showed {line!r}")
+
+
 class BusyStream(threading.Thread):
     """Keeps one long streaming generation running (and read) until `stop()`."""
 
@@ -104,7 +113,7 @@ def test_full_queue_answers_429_with_retry_after(start_server, tiny_model_dir):
         assert busy.generating.wait(timeout=60)
         waiter = threading.Thread(target=wait_in_queue)
         waiter.start()
-        time.sleep(1.0)  # the waiter's request now sits in the one queue slot
+        wait_for_metric(server, "lmsp_queue_depth 1")  # the waiter's request holds the one slot
         r = httpx.post(server.url + "/lmsp/v1/responses", json=ask(), timeout=30)
         assert r.status_code == 429
         assert r.headers["Retry-After"].isdigit()
@@ -115,3 +124,7 @@ def test_full_queue_answers_429_with_retry_after(start_server, tiny_model_dir):
     waiter.join(timeout=120)
     assert queued["r"].status_code == 200
     assert queued["r"].json()["status"] == "completed"
+    metrics = httpx.get(server.url + "/metrics").text
+    assert 'lmsp_requests_total{status="cancelled"} 1' in metrics
+    assert 'lmsp_requests_total{status="completed"} 1' in metrics
+    assert "lmsp_queue_depth 0" in metrics

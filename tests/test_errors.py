@@ -140,3 +140,8 @@ def test_errors_leave_the_server_serving(client):
     for _ in range(3):
         client.post("/lmsp/v1/responses", content=b"nope")
     assert client.post("/lmsp/v1/responses", json=ask()).status_code == 200
+
+
+def test_unstored_response_is_not_found(client):
+    doc = problem(client.get("/lmsp/v1/responses/resp_01J8M6Q4W2T7N5R3V9X1Z8B0DF"), 404, "response_not_found")
+    assert "resp_01J8M6Q4W2T7N5R3V9X1Z8B0DF" in doc["detail"]

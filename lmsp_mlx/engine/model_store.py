@@ -99,6 +99,8 @@ def ensure_packaged_model(recipe: PackagedGGUF, models_dir: Path) -> Path:
         except GGUFError as exc:
             raise ModelStoreError(str(exc)) from exc
         (staging / RECIPE_FILE).write_text(json.dumps(asdict(recipe), indent=2))
+        if (target / RECIPE_FILE).exists():  # another process finished first
+            return target
         if target.exists():  # a half-written directory from an interrupted start
             shutil.rmtree(target)
         staging.rename(target)  # same filesystem: the model appears complete or not at all

@@ -49,6 +49,20 @@ class Job:
                 return
 
 
+# Finished.reason -> the response status clients see, used in logs and metrics.
+_STATUS = {"stop": "completed", "length": "incomplete", "cancelled": "cancelled"}
+
+
+@dataclass
+class Counters:
+    """What /metrics reports; written by the worker thread only."""
+
+    requests: dict[str, int] = field(default_factory=dict)  # by final status
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+    busy: bool = False
+
+
 class Engine:
     def __init__(self, model_path: Path, *, ctx: int | None, max_queue: int, model_id: str | None = None):
         self._path = model_path
@@ -58,6 +72,7 @@ class Engine:
         self._ready = threading.Event()
         self._error: Exception | None = None
         self.model: LoadedModel | None = None
+        self.counters = Counters()
         self._thread = threading.Thread(target=self._run, name="lmsp-worker", daemon=True)
 
     def start(self) -> LoadedModel:
@@ -70,9 +85,22 @@ class Engine:
         return self.model
 
     def stop(self) -> None:
-        if self._thread.is_alive():
-            self._jobs.put(None)
-            self._thread.join(timeout=30)
+        """Drop the jobs still waiting, let the running one see its cancel, end the thread."""
+        if not self._thread.is_alive():
+            return
+        while True:
+            try:
+                job = self._jobs.get_nowait()
+            except queue.Empty:
+                break
+            if job is not None:
+                job.cancel()
+        self._jobs.put(None)
+        self._thread.join(timeout=30)
+
+    @property
+    def queued(self) -> int:
+        return self._jobs.qsize()
 
     def submit(self, params: GenerationParams, route: str) -> Job:
         job = Job(params=params, route=route, loop=asyncio.get_running_loop())
@@ -95,7 +123,9 @@ class Engine:
         finally:
             self._ready.set()
         while (job := self._jobs.get()) is not None:
+            self.counters.busy = True
             self._run_job(job)
+            self.counters.busy = False
 
     def _run_job(self, job: Job) -> None:
         lm = self.model
@@ -115,10 +145,13 @@ class Engine:
             self._log(job, lm, "failed", Usage(prompt_len, 0), 0.0, 0.0)
             return
         job.emit(done)
-        self._log(job, lm, done.reason, done.usage, done.prefill_tps, done.decode_tps, extra)
+        self._log(job, lm, _STATUS[done.reason], done.usage, done.prefill_tps, done.decode_tps, extra)
 
-    @staticmethod
-    def _log(job: Job, lm: LoadedModel, status: str, usage: Usage, prefill: float, decode: float, extra: str = "") -> None:
+    def _log(self, job: Job, lm: LoadedModel, status: str, usage: Usage, prefill: float, decode: float, extra: str = "") -> None:
+        c = self.counters
+        c.requests[status] = c.requests.get(status, 0) + 1
+        c.prompt_tokens += usage.input_tokens
+        c.output_tokens += usage.output_tokens
         log.info(
             "request route=%s model=%s prompt_tokens=%d output_tokens=%d prefill_tps=%.1f decode_tps=%.1f status=%s%s",
             job.route, lm.id, usage.input_tokens, usage.output_tokens, prefill, decode, status, extra,

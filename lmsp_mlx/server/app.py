@@ -30,6 +30,7 @@ def problem_response(problem: Problem) -> Response:
         body, mimetype = {"error": problem.openai_error()}, "application/json"
     else:
         body, mimetype = problem.document(), "application/problem+json"
+    log.info("request %s %s status=%d code=%s", request.method, request.path, problem.status, problem.code)
     resp = Response(json.dumps(body), status=problem.status, mimetype=mimetype)
     for name, value in problem.headers.items():
         resp.headers[name] = value
@@ -38,6 +39,7 @@ def problem_response(problem: Problem) -> Response:
 
 def create_app(engine: Engine, settings: ServerSettings) -> Quart:
     app = Quart("lmsp_mlx")
+    app.json.sort_keys = False  # keep the documented field order (id, object, ...)
     app.config["MAX_CONTENT_LENGTH"] = settings.max_body_bytes
     # Generations can outlast Quart's default 60 s response timeout; disconnects end them instead.
     app.config["RESPONSE_TIMEOUT"] = None
@@ -48,6 +50,19 @@ def create_app(engine: Engine, settings: ServerSettings) -> Quart:
     @app.get("/healthz")
     async def healthz():
         return {"status": "ok", "model": engine.model.id}
+
+    @app.get("/metrics")
+    async def metrics():
+        c = engine.counters
+        lines = [
+            "# TYPE lmsp_queue_depth gauge", f"lmsp_queue_depth {engine.queued}",
+            "# TYPE lmsp_busy gauge", f"lmsp_busy {int(c.busy)}",
+            "# TYPE lmsp_requests_total counter",
+            *(f'lmsp_requests_total{{status="{k}"}} {v}' for k, v in sorted(c.requests.items())),
+            "# TYPE lmsp_prompt_tokens_total counter", f"lmsp_prompt_tokens_total {c.prompt_tokens}",
+            "# TYPE lmsp_output_tokens_total counter", f"lmsp_output_tokens_total {c.output_tokens}",
+        ]
+        return Response("\n".join(lines) + "\n", mimetype="text/plain; version=0.0.4")
 
     @app.before_request
     async def check_auth_and_version():

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from quart import Blueprint, Response
+from quart import Blueprint
 
 from .. import LMSP_VERSION, __version__
 from ..protocol.problems import Problem
-from .run import ResponseRun
-from .sse import SSE_HEADERS, LmspEvents
-from .state import read_request, state
+from .run import ResponseRun, start_run
+from .sse import LmspEvents, sse_response
+from .state import state
 
 bp = Blueprint("lmsp", __name__, url_prefix="/lmsp/v1")
 
@@ -41,13 +41,16 @@ async def get_model(model_id: str):
 
 @bp.post("/responses")
 async def create_response():
-    s = state()
-    req = await read_request()
-    run = ResponseRun(s.engine, req, "lmsp", s.settings.prefill_step)
-    await run.start()
-    if not req.stream:
+    run = await start_run("lmsp")
+    if not run.req.stream:
         return (await run.run_to_end()).model_dump(mode="json")
-    return Response(stream_lmsp(run), mimetype="text/event-stream", headers=SSE_HEADERS)
+    return sse_response(stream_lmsp(run))
+
+
+@bp.get("/responses/<response_id>")
+async def get_response(response_id: str):
+    # Section 6.2: optional, needs the `conversations` capability; nothing is stored yet.
+    raise Problem("response_not_found", f"response {response_id!r} is not stored on this service")
 
 
 async def stream_lmsp(run: ResponseRun):

@@ -6,12 +6,12 @@ deltas carry output_index/content_index, the stream ends with `data: [DONE]`.
 
 from __future__ import annotations
 
-from quart import Blueprint, Response
+from quart import Blueprint
 
 from ..protocol.responses import v1_response
-from .run import ResponseRun
-from .sse import SSE_HEADERS, OpenResponsesEvents
-from .state import read_request, state
+from .run import ResponseRun, start_run
+from .sse import OpenResponsesEvents, sse_response
+from .state import state
 
 bp = Blueprint("openai", __name__, url_prefix="/v1")
 
@@ -24,14 +24,10 @@ async def list_models():
 
 @bp.post("/responses")
 async def create_response():
-    s = state()
-    req = await read_request()
-    run = ResponseRun(s.engine, req, "v1", s.settings.prefill_step)
-    await run.start()
-    if not req.stream:
-        resp = await run.run_to_end()
-        return v1_response(resp, req, run.completed_at)
-    return Response(stream_v1(run), mimetype="text/event-stream", headers=SSE_HEADERS)
+    run = await start_run("v1")
+    if not run.req.stream:
+        return v1_response(await run.run_to_end(), run.req, run.completed_at)
+    return sse_response(stream_v1(run))
 
 
 async def stream_v1(run: ResponseRun):

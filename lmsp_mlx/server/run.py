@@ -152,3 +152,13 @@ class ResponseRun:
         if self.status == "failed":
             raise Problem("internal_error", self.error["detail"])
         return self.response()
+
+
+async def start_run(route: str) -> ResponseRun:
+    """Parse the request body and queue its generation: the common start of both routes."""
+    from .state import read_request, state
+
+    s = state()
+    run = ResponseRun(s.engine, await read_request(), route, s.settings.prefill_step)
+    await run.start()
+    return run

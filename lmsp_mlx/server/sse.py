@@ -5,7 +5,14 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from quart import Response
+
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+def sse_response(events) -> Response:
+    """An event stream that proxies must not buffer."""
+    return Response(events, mimetype="text/event-stream", headers=SSE_HEADERS)
 
 
 def _json(data: Any) -> str:

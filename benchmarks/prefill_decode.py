@@ -1,0 +1,177 @@
+"""Prefill and decode speed: mlx-lm's stream_generate directly vs. our server's stream, one run.
+
+    python benchmarks/prefill_decode.py [--model PATH] [--lengths 32,128,512] [--decode 64]
+
+Both sides run the same weights (loaded by lmsp-mlx's loader: float32 on the CPU backend)
+on the same rendered prompt at temperature 0, so they decode the same tokens. For each
+prompt length it times, from the caller's side, prefill (prompt tokens / time to the first
+token) and decode (later tokens / time from the first to the last), writes
+benchmarks/results/prefill_decode.csv and .png, and prints a Markdown table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from lmsp_mlx.engine.loader import load_model  # noqa: E402
+from lmsp_mlx.engine.model_store import DEFAULT_MODEL, default_models_dir, ensure_packaged_model  # noqa: E402
+
+FILLER = (
+    "The river town kept its records in a stone house by the bridge, and every spring the "
+    "clerks copied the ledgers again because the damp reached the lower shelves first. "
+)
+QUESTION = "\nIgnore the text above. Count from 1 to 200, separated by commas: 1, 2, 3,"
+
+
+def make_messages(tokenizer, target: int) -> list[dict]:
+    """A user message whose rendered prompt is close to `target` tokens."""
+    per = len(tokenizer.encode(FILLER, add_special_tokens=False))
+    base = len(tokenizer.apply_chat_template([{"role": "user", "content": QUESTION}], add_generation_prompt=True))
+    repeats = max(0, (target - base) // per)
+    return [{"role": "user", "content": FILLER * repeats + QUESTION}]
+
+
+def direct(lm, messages: list[dict], decode: int) -> dict:
+    from mlx_lm import stream_generate
+    from mlx_lm.sample_utils import make_sampler
+
+    prompt = lm.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    start = time.perf_counter()
+    first = last = None
+    n = 0
+    for out in stream_generate(lm.model, lm.tokenizer, prompt, max_tokens=decode, sampler=make_sampler(temp=0.0)):
+        now = time.perf_counter()
+        first = first or now
+        last = now
+        n = out.generation_tokens
+    return {"prompt_tokens": len(prompt), "output_tokens": n,
+            "prefill_tps": len(prompt) / (first - start), "decode_tps": (n - 1) / (last - first)}
+
+
+def served(url: str, model_id: str, messages: list[dict], decode: int) -> dict:
+    body = {"model": model_id, "input": messages[0]["content"], "stream": True,
+            "temperature": 0, "max_output_tokens": decode}
+    start = time.perf_counter()
+    first = last = None
+    usage = None
+    with httpx.stream("POST", url + "/lmsp/v1/responses", json=body, timeout=3600) as r:
+        for line in r.iter_lines():
+            if not line.startswith("data: "):
+                continue
+            data = json.loads(line[6:])
+            if data["type"] == "response.output_text.delta":
+                now = time.perf_counter()
+                first = first or now
+                last = now
+            elif "usage" in data:
+                usage = data["usage"]
+    n = usage["output_tokens"]
+    return {"prompt_tokens": usage["input_tokens"], "output_tokens": n,
+            "prefill_tps": usage["input_tokens"] / (first - start), "decode_tps": (n - 1) / (last - first)}
+
+
+def start_server(model: Path, model_id: str) -> tuple[subprocess.Popen, str]:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "lmsp_mlx.serve", "--model", str(model), "--model-id", model_id, "--port", str(port)],
+        cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+    url = f"http://127.0.0.1:{port}"
+    for _ in range(1200):
+        try:
+            if httpx.get(url + "/healthz", timeout=1).status_code == 200:
+                return proc, url
+        except httpx.HTTPError:
+            time.sleep(0.25)
+    proc.kill()
+    raise SystemExit("the server did not start")
+
+
+def plot(rows: list[dict], out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    for ax, metric in zip(axes, ("prefill_tps", "decode_tps")):
+        for side, marker in (("mlx-lm direct", "o"), ("lmsp-mlx server", "s")):
+            pts = [(r["prompt_tokens"], r[metric]) for r in rows if r["side"] == side]
+            ax.plot(*zip(*pts), marker=marker, label=side)
+        ax.set_xscale("log")
+        ax.set_xlabel("prompt tokens")
+        ax.set_ylabel(metric.replace("_tps", " tok/s"))
+        ax.set_ylim(bottom=0)
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.suptitle(rows[0]["model"] + " on " + rows[0]["backend"])
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", type=Path, help="mlx-lm model directory (default: the embedded SmolLM2)")
+    p.add_argument("--lengths", default="32,128,512", help="prompt lengths in tokens, comma-separated")
+    p.add_argument("--decode", type=int, default=64, help="tokens to decode per run")
+    p.add_argument("--repeats", type=int, default=3, help="runs per side and length; the median is kept")
+    p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
+    args = p.parse_args()
+
+    model_path = args.model or ensure_packaged_model(DEFAULT_MODEL, default_models_dir())
+    lm = load_model(model_path)
+    proc, url = start_server(model_path, lm.id)
+    rows = []
+    try:
+        warm = make_messages(lm.tokenizer, 16)
+        direct(lm, warm, 4), served(url, lm.id, warm, 4)
+        for target in [int(x) for x in args.lengths.split(",")]:
+            messages = make_messages(lm.tokenizer, target)
+            sides = {"mlx-lm direct": lambda: direct(lm, messages, args.decode),
+                     "lmsp-mlx server": lambda: served(url, lm.id, messages, args.decode)}
+            runs: dict[str, list[dict]] = {side: [] for side in sides}
+            for _ in range(args.repeats):  # alternate sides so load drifts hit both alike
+                for side, fn in sides.items():
+                    runs[side].append(fn())
+            for side, results in runs.items():
+                median = sorted(results, key=lambda r: r["decode_tps"])[len(results) // 2]
+                median["prefill_tps"] = statistics.median(r["prefill_tps"] for r in results)
+                row = {"model": lm.id, "backend": f"{lm.backend} {lm.quantization}", "side": side, **median}
+                rows.append(row)
+                print(f"{side:16s} prompt={row['prompt_tokens']:5d} out={row['output_tokens']:3d} "
+                      f"prefill={row['prefill_tps']:8.1f} tok/s decode={row['decode_tps']:6.2f} tok/s", flush=True)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+    args.out.mkdir(parents=True, exist_ok=True)
+    with open(args.out / "prefill_decode.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    plot(rows, args.out / "prefill_decode.png")
+
+    print("\n| prompt tokens | prefill tok/s direct | prefill tok/s server | decode tok/s direct | decode tok/s server | decode ratio |")
+    print("|---:|---:|---:|---:|---:|---:|")
+    for d, s in zip(rows[0::2], rows[1::2]):
+        print(f"| {d['prompt_tokens']} | {d['prefill_tps']:.1f} | {s['prefill_tps']:.1f} | "
+              f"{d['decode_tps']:.2f} | {s['decode_tps']:.2f} | {s['decode_tps'] / d['decode_tps']:.3f} |")
+
+
+if __name__ == "__main__":
+    main()
