@@ -33,10 +33,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-body-mb", type=float, default=16.0, help="largest request body in MiB (default 16)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     args = p.parse_args(argv)
-    for name in ("ctx", "max_queue", "prefill_chunk", "port"):
+    for name in ("ctx", "max_queue", "prefill_chunk", "max_body_mb"):
         value = getattr(args, name)
-        if value is not None and value < (0 if name == "port" else 1):
+        if value is not None and value <= 0:
             p.error(f"--{name.replace('_', '-')} must be positive")
+    if not 1 <= args.port <= 65535:
+        p.error("--port must be between 1 and 65535")
     return args
 
 
@@ -54,7 +56,7 @@ def _fail(message: str) -> int:
     return 2
 
 
-async def _serve(app, host: str, port: int) -> None:
+async def _serve(app, engine: Engine, host: str, port: int) -> None:
     from hypercorn.asyncio import serve
     from hypercorn.config import Config
 
@@ -67,8 +69,14 @@ async def _serve(app, host: str, port: int) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
+
+    async def shutdown() -> None:
+        await stop.wait()
+        log.info("shutting down: cancelling generations in progress")
+        engine.cancel_all()  # streams then end with their final event within the grace period
+
     log.info("serving on http://%s:%d (LMSP at /lmsp/v1, OpenAI-style at /v1)", host, port)
-    await serve(app, config, shutdown_trigger=stop.wait)
+    await serve(app, config, shutdown_trigger=shutdown)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -99,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     settings = ServerSettings(api_key=args.api_key, prefill_step=prefill, max_body_bytes=int(args.max_body_mb * 1024 * 1024))
     app = create_app(engine, settings)
     try:
-        asyncio.run(_serve(app, args.host, args.port))
+        asyncio.run(_serve(app, engine, args.host, args.port))
     except OSError as exc:  # port in use, address not available
         return _fail(f"cannot bind {args.host}:{args.port}: {exc.strerror or exc}")
     finally:

@@ -15,7 +15,11 @@ def locked(start_server, tiny_model_dir):
     return start_server("--model", str(tiny_model_dir), "--model-id", "tiny", env={"LMSP_API_KEY": "s3cret"})
 
 
-@pytest.mark.parametrize("headers", [{}, {"Authorization": "Bearer wrong"}, {"Authorization": "Basic s3cret"}])
+@pytest.mark.parametrize(
+    "headers",
+    [{}, {"Authorization": "Bearer wrong"}, {"Authorization": "Basic s3cret"},
+     {"Authorization": "Bearer s\u00e9cret".encode("utf-8")}],
+)
 def test_missing_or_wrong_token_is_401(locked, headers):
     for method, path, body in [
         ("POST", "/lmsp/v1/responses", ask()),

@@ -61,6 +61,11 @@ def test_corrupt_weights(tmp_path, tiny_model_dir):
     one_line_error(serve("--model", str(broken)), "cannot load")
 
 
-def test_bad_flag_values():
-    done = serve("--max-queue", "0")
-    assert done.returncode == 2 and "--max-queue" in done.stderr and "Traceback" not in done.stderr
+@pytest.mark.parametrize(
+    "flags, name",
+    [(["--max-queue", "0"], "--max-queue"), (["--max-body-mb", "-1"], "--max-body-mb"),
+     (["--port", "70000"], "--port"), (["--ctx", "0"], "--ctx")],
+)
+def test_bad_flag_values(flags, name):
+    done = serve(*flags)
+    assert done.returncode == 2 and name in done.stderr and "Traceback" not in done.stderr

@@ -128,3 +128,25 @@ def test_full_queue_answers_429_with_retry_after(start_server, tiny_model_dir):
     assert 'lmsp_requests_total{status="cancelled"} 1' in metrics
     assert 'lmsp_requests_total{status="completed"} 1' in metrics
     assert "lmsp_queue_depth 0" in metrics
+
+
+def test_shutdown_ends_streams_with_a_final_event(start_server, tiny_model_dir):
+    import signal
+
+    from conftest import read_sse
+
+    server = start_server("--model", str(tiny_model_dir), "--model-id", "tiny")
+    with httpx.Client(base_url=server.url, timeout=60) as c:
+        with c.stream("POST", "/lmsp/v1/responses", json=ask(max_output_tokens=30000, stream=True)) as r:
+            lines, signalled = [], False
+            for line in r.iter_lines():
+                lines.append(line)
+                if line.startswith("event: response.output_text.delta") and not signalled:
+                    server.proc.send_signal(signal.SIGTERM)  # once; the stream goes on to its end
+                    signalled = True
+    events = read_sse(lines)
+    assert events[-1]["event"] == "response.cancelled"
+    assert [int(e["id"]) for e in events] == list(range(1, len(events) + 1))
+    assert server.proc.wait(timeout=30) == 0
+    log = server.log()
+    assert "Traceback" not in log and "Exception in thread" not in log

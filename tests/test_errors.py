@@ -71,6 +71,29 @@ def test_reserved_content_types_are_unsupported(client):
     assert "input_image" in doc["detail"]
 
 
+def test_json_nested_too_deeply(client):
+    r = client.post("/lmsp/v1/responses", content=b"[" * 100000, headers={"content-type": "application/json"})
+    problem(r, 400, "invalid_request")
+
+
+def test_text_that_is_not_unicode(client):
+    body = b'{"model": "tiny", "input": "\\ud800 lone surrogate"}'
+    doc = problem(client.post("/lmsp/v1/responses", content=body, headers={"content-type": "application/json"}),
+                  400, "invalid_request")
+    assert "Unicode" in doc["detail"]
+
+
+def test_tool_choice_must_be_known(client):
+    doc = problem(client.post("/lmsp/v1/responses", json=ask(tool_choice="banana")), 400, "invalid_request")
+    assert doc["param"] == "tool_choice"
+
+
+def test_reasoning_items_need_the_reasoning_capability(client):
+    items = [{"type": "reasoning", "summary": []}, {"type": "message", "role": "user", "content": "hi"}]
+    doc = problem(client.post("/lmsp/v1/responses", json=ask(input=items)), 400, "unsupported_capability")
+    assert "reasoning" in doc["detail"]
+
+
 def test_unknown_model(client):
     doc = problem(client.post("/lmsp/v1/responses", json=ask(model="gpt-9")), 404, "model_not_found")
     assert "gpt-9" in doc["detail"]
@@ -88,6 +111,7 @@ def test_prompt_over_the_context(start_server, tiny_model_dir):
     # A prompt that fits is clamped to the room left, never past the context.
     ok = httpx.post(server.url + "/lmsp/v1/responses", json=ask("hi", max_output_tokens=1000), timeout=60).json()
     assert ok["status"] == "incomplete"
+    assert ok["incomplete_details"] == {"reason": "context_length"}
     assert ok["usage"]["total_tokens"] == 64
 
 
@@ -96,6 +120,8 @@ def test_unsupported_lmsp_version(client):
     doc = problem(r, 400, "unsupported_version")
     assert "2.0" in doc["detail"]
     assert client.post("/lmsp/v1/responses", json=ask(), headers={"LMSP-Version": "1.0"}).status_code == 200
+    # Not an LMSP route: liveness answers whatever version a prober sends.
+    assert client.get("/healthz", headers={"LMSP-Version": "2.0"}).status_code == 200
 
 
 @pytest.mark.parametrize(
@@ -124,7 +150,9 @@ def test_oversized_body(start_server, tiny_model_dir):
 
 def test_unknown_route_and_method(client):
     problem(client.get("/lmsp/v1/nothing-here"), 404, "not_found")
-    problem(client.get("/lmsp/v1/responses"), 405, "method_not_allowed")
+    r = client.put("/lmsp/v1/responses", json=ask())
+    problem(r, 405, "method_not_allowed")
+    assert "POST" in r.headers["Allow"]
 
 
 def test_v1_errors_are_openai_shaped(client):

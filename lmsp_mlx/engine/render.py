@@ -28,9 +28,10 @@ def to_chat_messages(items: list[InputItem], instructions: str | None = None) ->
         messages.append({"role": "system", "content": instructions})
     for index, item in enumerate(items):
         if not isinstance(item, MessageItem):
+            needs = "reasoning" if item.type == "reasoning" else "tools"
             raise Problem(
                 "unsupported_capability",
-                f"input[{index}] is a {item.type} item, which needs the 'tools' capability this model lacks",
+                f"input[{index}] is a {item.type} item, which needs the '{needs}' capability this model lacks",
                 param=f"input[{index}]",
             )
         if not isinstance(item.content, str):
@@ -57,5 +58,9 @@ def render(tokenizer, messages: list[dict]) -> Prompt:
         )
     except Exception as exc:  # jinja raises on conversations the template forbids
         raise Problem("invalid_request", f"the model's chat template rejected the input: {exc}") from None
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:  # JSON may carry lone surrogates ("\ud800")
+        raise Problem("invalid_request", f"the input is not valid Unicode text: {exc.reason} at {exc.start}") from None
     tokens = tokenizer.encode(text, add_special_tokens=False)
     return Prompt(text=text, tokens=list(tokens))

@@ -31,7 +31,10 @@ class Job:
     _cancel: threading.Event = field(default_factory=threading.Event)
 
     def emit(self, event: GenerationEvent) -> None:
-        self.loop.call_soon_threadsafe(self.events.put_nowait, event)
+        try:
+            self.loop.call_soon_threadsafe(self.events.put_nowait, event)
+        except RuntimeError:  # the event loop has closed: nobody is listening any more
+            self.cancel()
 
     def cancel(self) -> None:
         self._cancel.set()
@@ -73,6 +76,7 @@ class Engine:
         self._error: Exception | None = None
         self.model: LoadedModel | None = None
         self.counters = Counters()
+        self._current: Job | None = None
         self._thread = threading.Thread(target=self._run, name="lmsp-worker", daemon=True)
 
     def start(self) -> LoadedModel:
@@ -84,17 +88,21 @@ class Engine:
         assert self.model is not None
         return self.model
 
-    def stop(self) -> None:
-        """Drop the jobs still waiting, let the running one see its cancel, end the thread."""
-        if not self._thread.is_alive():
-            return
-        while True:
-            try:
-                job = self._jobs.get_nowait()
-            except queue.Empty:
-                break
+    def cancel_all(self) -> None:
+        """Shutdown: the running job stops at its next step, waiting ones end as they are taken."""
+        if self._current is not None:
+            self._current.cancel()
+        with self._jobs.mutex:
+            waiting = list(self._jobs.queue)
+        for job in waiting:
             if job is not None:
                 job.cancel()
+
+    def stop(self) -> None:
+        """Cancel everything and end the worker thread."""
+        if not self._thread.is_alive():
+            return
+        self.cancel_all()
         self._jobs.put(None)
         self._thread.join(timeout=30)
 
@@ -123,9 +131,9 @@ class Engine:
         finally:
             self._ready.set()
         while (job := self._jobs.get()) is not None:
-            self.counters.busy = True
+            self._current, self.counters.busy = job, True
             self._run_job(job)
-            self.counters.busy = False
+            self._current, self.counters.busy = None, False
 
     def _run_job(self, job: Job) -> None:
         lm = self.model

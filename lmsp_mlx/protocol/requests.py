@@ -93,7 +93,7 @@ class ResponsesRequest(_Strict):
     top_p: Annotated[float, Field(gt=0, le=1)] | None = None
     response_format: TextFormat | None = None
     tools: list[dict[str, Any]] | None = None
-    tool_choice: Union[str, dict[str, Any]] | None = None
+    tool_choice: Union[Literal["auto", "none", "required"], dict[str, Any]] | None = None
     store: bool = False
     previous_response_id: str | None = None
     extensions: dict[str, Any] | None = None
@@ -127,7 +127,7 @@ def _location(loc: tuple) -> str:
     for part in loc:
         if isinstance(part, int):
             out += f"[{part}]"
-        elif part in ("str",) or part.startswith(("list[", "tagged-union[")) or part in _UNION_TAGS:
+        elif part in ("str", "int", "float", "bool") or "[" in part or part in _UNION_TAGS:
             continue
         else:
             out += f".{part}" if out else part

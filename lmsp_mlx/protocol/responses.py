@@ -83,7 +83,8 @@ def v1_response(resp: ResponseObject, request: Any, completed_at: int | None) ->
         "output": output,
         "usage": usage,
         "error": error,
-        "incomplete_details": resp.incomplete_details.model_dump() if resp.incomplete_details else None,
+        # OpenAI's enum has no context-window reason; a length cut is `max_output_tokens` there.
+        "incomplete_details": {"reason": "max_output_tokens"} if resp.incomplete_details else None,
         "instructions": request.instructions,
         "max_output_tokens": request.max_output_tokens,
         "max_tool_calls": None,

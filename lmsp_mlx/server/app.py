@@ -69,14 +69,15 @@ def create_app(engine: Engine, settings: ServerSettings) -> Quart:
         if settings.api_key and request.path != "/healthz":
             header = request.headers.get("Authorization", "")
             scheme, _, token = header.partition(" ")
-            if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip(), settings.api_key):
+            given = token.strip().encode("utf-8", "surrogateescape")
+            if scheme.lower() != "bearer" or not hmac.compare_digest(given, settings.api_key.encode()):
                 raise Problem(
                     "unauthorized",
                     "a valid 'Authorization: Bearer <key>' header is required",
                     headers={"WWW-Authenticate": 'Bearer realm="lmsp"'},
                 )
         version = request.headers.get("LMSP-Version")
-        if version is not None and version.strip() != LMSP_VERSION and not _is_v1(request.path):
+        if version is not None and version.strip() != LMSP_VERSION and request.path.startswith("/lmsp/"):
             raise Problem(
                 "unsupported_version",
                 f"LMSP-Version {version!r} is not supported; this service speaks {LMSP_VERSION}",
@@ -97,7 +98,9 @@ def create_app(engine: Engine, settings: ServerSettings) -> Quart:
         detail = exc.description or exc.name
         if exc.code == 413:
             detail = f"the request body exceeds {settings.max_body_bytes} bytes"
-        problem = Problem(code, detail)
+        # Keep what the HTTP error itself must say (e.g. `Allow` on a 405).
+        keep = {k: v for k, v in exc.get_headers() if k.lower() != "content-type"}
+        problem = Problem(code, detail, headers=keep)
         problem.status = exc.code or problem.status
         return problem_response(problem)
 

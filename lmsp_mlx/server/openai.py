@@ -49,7 +49,9 @@ async def stream_v1(run: ResponseRun):
                 "response.output_text.delta",
                 item_id=item_id, output_index=0, content_index=0, delta=delta, logprobs=[],
             )
-        if run.status == "cancelled":
+        if run.status == "cancelled":  # only a shutdown cancels a run someone still reads
+            yield event("error", code="cancelled", message="the server is shutting down", param=None)
+            yield OpenResponsesEvents.DONE
             return
         final = snapshot()
         done_item = final["output"][0] if final["output"] else {**item, "status": "incomplete"}

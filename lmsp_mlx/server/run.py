@@ -76,6 +76,7 @@ class ResponseRun:
         self.incomplete_reason: str | None = None
         self.error: dict | None = None
         self.job = None
+        self.limited_by_context = False
 
     async def start(self) -> None:
         """Render and measure the prompt (off the event loop), then queue the job."""
@@ -91,6 +92,7 @@ class ResponseRun:
                 param="input",
             )
         room = ctx - n
+        self.limited_by_context = self.req.max_output_tokens is None or self.req.max_output_tokens > room
         params = GenerationParams(
             prompt=prompt.tokens,
             max_tokens=min(self.req.max_output_tokens or room, room),
@@ -112,7 +114,8 @@ class ResponseRun:
                     input_tokens=u.input_tokens, output_tokens=u.output_tokens, total_tokens=u.total_tokens
                 )
                 if event.reason == "length":
-                    self.status, self.incomplete_reason = "incomplete", "max_output_tokens"
+                    self.status = "incomplete"
+                    self.incomplete_reason = "context_length" if self.limited_by_context else "max_output_tokens"
                 elif event.reason == "cancelled":
                     self.status = "cancelled"
                 else:

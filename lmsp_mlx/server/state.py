@@ -37,4 +37,6 @@ async def read_request() -> ResponsesRequest:
         body: Any = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as exc:
         raise Problem("invalid_request", f"the body is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise Problem("invalid_request", "the body nests JSON too deeply") from None
     return parse_request(body)
