@@ -12,6 +12,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+import lmsp_mlx  # noqa: F401  (first: it routes MLX's CPU matmuls to OpenBLAS before mlx.core loads)
+
 sys.path.insert(0, str(Path(__file__).parent))
 from tiny_model import ENDLESS, build_tiny_model  # noqa: E402
 

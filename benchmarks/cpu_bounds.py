@@ -1,0 +1,154 @@
+"""The CPU backend against the machine's limits, measured in one run.
+
+    python benchmarks/cpu_bounds.py [--model PATH] [--prompt 512] [--decode 64]
+
+1. float32 GEMM GFLOP/s: MLX (through lmsp-mlx's BLAS routing) against numpy's sgemm.
+2. The model's prefill tok/s against the FLOP bound: the sgemm rate measured in step 1
+   divided by the model's FLOPs per prompt token (every matmul, the output head and the
+   attention over the prompt).
+3. Decode tok/s against the memory-bandwidth bound: the streaming read rate of this
+   machine, measured here, divided by the bytes a decode step must read (all weights
+   used as matmuls, plus the KV cache).
+
+Writes benchmarks/results/cpu_bounds.csv and prints a Markdown table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import sys
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from lmsp_mlx import cpu_blas  # noqa: E402  (first: routes MLX's matmuls before mlx.core loads)
+import mlx.core as mx  # noqa: E402
+import numpy as np  # noqa: E402
+
+from lmsp_mlx.engine.loader import load_model  # noqa: E402
+from lmsp_mlx.engine.model_store import DEFAULT_MODEL, default_models_dir, ensure_packaged_model  # noqa: E402
+
+
+def best_time(fn, repeats: int = 5) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def gemm_gflops(n: int) -> tuple[float, float]:
+    rng = np.random.default_rng(0)
+    a, b = rng.standard_normal((n, n), dtype=np.float32), rng.standard_normal((n, n), dtype=np.float32)
+    xa, xb = mx.array(a), mx.array(b)
+    mx.eval(xa, xb)
+    flops = 2 * n**3
+    mlx_t = best_time(lambda: mx.eval(xa @ xb))
+    np_t = best_time(lambda: a @ b)
+    return flops / mlx_t / 1e9, flops / np_t / 1e9
+
+
+def read_bandwidth(gib: float = 1.0, threads: int = 2) -> float:
+    """Bytes/s of a streaming read (numpy sum, one slice per thread; numpy releases the GIL)."""
+    data = np.ones(int(gib * 2**30) // 4, dtype=np.float32)
+    parts = np.array_split(data, threads)
+
+    def run():
+        workers = [threading.Thread(target=np.sum, args=(p,)) for p in parts]
+        for w in workers:
+            w.start()
+        for w in workers:
+            w.join()
+
+    return data.nbytes / best_time(run, repeats=3)
+
+
+def matmul_params(config: dict) -> int:
+    h, inter, layers = config["hidden_size"], config["intermediate_size"], config["num_hidden_layers"]
+    heads, kv = config["num_attention_heads"], config["num_key_value_heads"]
+    head_dim = config.get("head_dim") or h // heads
+    per_layer = h * heads * head_dim * 2 + h * kv * head_dim * 2 + 3 * h * inter
+    return layers * per_layer + config["vocab_size"] * h  # + the output head
+
+
+def attention_flops(config: dict, context: int) -> int:
+    """Scores and weighted values for one token over `context` positions, all layers."""
+    heads = config["num_attention_heads"]
+    head_dim = config.get("head_dim") or config["hidden_size"] // heads
+    return 4 * config["num_hidden_layers"] * heads * head_dim * context
+
+
+def time_generation(lm, prompt: list[int], decode: int) -> tuple[float, float]:
+    from mlx_lm import stream_generate
+    from mlx_lm.sample_utils import make_sampler
+
+    start = time.perf_counter()
+    first = last = None
+    n = 0
+    for out in stream_generate(lm.model, lm.tokenizer, prompt, max_tokens=decode, sampler=make_sampler(temp=0.0)):
+        last = time.perf_counter()
+        first = first or last
+        n = out.generation_tokens
+    return len(prompt) / (first - start), (n - 1) / (last - first)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", type=Path)
+    p.add_argument("--prompt", type=int, default=512, help="prompt tokens for the prefill measurement")
+    p.add_argument("--decode", type=int, default=64)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
+    args = p.parse_args()
+
+    print(f"BLAS: {cpu_blas.status()}", flush=True)
+    rows = []
+    for n in (512, 1024, 2048):
+        mlx_gf, np_gf = gemm_gflops(n)
+        rows.append(("gemm", f"{n}x{n}x{n} float32", "GFLOP/s", mlx_gf, np_gf, mlx_gf / np_gf, 0.8))
+        print(f"gemm {n}: mlx {mlx_gf:.1f} numpy {np_gf:.1f} GFLOP/s", flush=True)
+    sgemm_rate = max(r[4] for r in rows) * 1e9  # numpy's sgemm: the machine's float32 matmul rate
+    bandwidth = read_bandwidth()
+    print(f"read bandwidth {bandwidth / 1e9:.1f} GB/s", flush=True)
+
+    path = args.model or ensure_packaged_model(DEFAULT_MODEL, default_models_dir())
+    lm = load_model(path)
+    config = __import__("json").loads((path / "config.json").read_text())
+    filler = "The clerks copied the ledgers again because the damp reached the lower shelves. "
+    ids = lm.tokenizer.encode(filler * (args.prompt // 10 + 1), add_special_tokens=False)[: args.prompt]
+    runs = [time_generation(lm, ids, args.decode) for _ in range(args.repeats)]
+    prefill = sorted(r[0] for r in runs)[len(runs) // 2]
+    decode = sorted(r[1] for r in runs)[len(runs) // 2]
+
+    params = matmul_params(config)
+    prefill_flops = 2 * params + attention_flops(config, args.prompt // 2)
+    prefill_bound = sgemm_rate / prefill_flops
+    kv_bytes = 2 * config["num_hidden_layers"] * config["num_key_value_heads"] * (
+        config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    ) * 4 * (args.prompt + args.decode // 2)
+    decode_bound = bandwidth / (4 * params + kv_bytes)
+    rows.append(("prefill", f"{lm.id} {args.prompt} tokens", "tok/s", prefill, prefill_bound, prefill / prefill_bound, 0.5))
+    rows.append(("decode", f"{lm.id} after {args.prompt} tokens", "tok/s", decode, decode_bound, decode / decode_bound, 0.6))
+
+    args.out.mkdir(parents=True, exist_ok=True)
+    with open(args.out / "cpu_bounds.csv", "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["what", "case", "unit", "measured", "reference", "ratio", "target"])
+        w.writerows(rows)
+    print(f"\nsgemm {sgemm_rate / 1e9:.1f} GFLOP/s, read bandwidth {bandwidth / 1e9:.1f} GB/s, "
+          f"{params / 1e6:.1f}M matmul parameters\n")
+    print("| what | case | measured | reference | ratio | target |")
+    print("|---|---|---:|---:|---:|---:|")
+    for what, case, unit, measured, ref, ratio, target in rows:
+        ref_name = {"gemm": "numpy sgemm", "prefill": "FLOP bound", "decode": "bandwidth bound"}[what]
+        print(f"| {what} | {case} | {measured:.1f} {unit} | {ref:.1f} {unit} ({ref_name}) | {ratio:.2f} | ≥ {target} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,78 @@
+/*
+ * cblas_sgemm for MLX's Linux CPU build, forwarded to an optimised OpenBLAS.
+ *
+ * The mlx-cpu wheel resolves cblas_sgemm from a bundled reference (netlib) BLAS, about
+ * 25x slower than OpenBLAS on our machines. Loaded with RTLD_GLOBAL before mlx.core,
+ * this library's cblas_sgemm wins symbol resolution. It forwards to the OpenBLAS that
+ * numpy's wheel already ships (64-bit integers, `scipy_` prefix, `64_` suffix), so the
+ * process keeps one BLAS thread pool, and sends one-row and one-column products (every
+ * decode step) to sgemv: OpenBLAS's sgemm is no faster than the reference there, its
+ * sgemv runs at memory bandwidth.
+ *
+ * Python loads it with ctypes; the module init below only makes it an importable
+ * extension so that the installed file can be found with importlib.
+ */
+#include <Python.h>
+#include <dlfcn.h>
+#include <stdint.h>
+
+enum { RowMajor = 101, ColMajor = 102, NoTrans = 111, Trans = 112 };
+
+typedef void (*sgemm_fn)(int, int, int, int64_t, int64_t, int64_t, float, const float *, int64_t,
+                         const float *, int64_t, float, float *, int64_t);
+typedef void (*sgemv_fn)(int, int, int64_t, int64_t, float, const float *, int64_t, const float *,
+                         int64_t, float, float *, int64_t);
+
+static sgemm_fn real_sgemm;
+static sgemv_fn real_sgemv;
+static long long forwarded_gemm, forwarded_gemv;
+
+/* Returns 0 when `path` is an OpenBLAS with the expected symbols. */
+int lmsp_blas_init(const char *path) {
+    void *lib = dlopen(path, RTLD_NOW | RTLD_LOCAL);
+    if (!lib) return 1;
+    real_sgemm = (sgemm_fn)dlsym(lib, "scipy_cblas_sgemm64_");
+    real_sgemv = (sgemv_fn)dlsym(lib, "scipy_cblas_sgemv64_");
+    return real_sgemm && real_sgemv ? 0 : 2;
+}
+
+long long lmsp_blas_calls(int which) { return which ? forwarded_gemv : forwarded_gemm; }
+
+/* Row-major C = alpha * op(A) op(B) + beta * C. */
+static void row_major(int ta, int tb, int64_t M, int64_t N, int64_t K, float alpha, const float *A,
+                      int64_t lda, const float *B, int64_t ldb, float beta, float *C, int64_t ldc) {
+    if (M == 1 && N > 1 && K > 0) {
+        /* c (1xN) = a (1xK) op(B): y = op(B)^T a. a's elements are lda apart when A is transposed. */
+        int64_t inca = ta == NoTrans ? 1 : lda;
+        if (tb == NoTrans)
+            real_sgemv(RowMajor, Trans, K, N, alpha, B, ldb, A, inca, beta, C, 1);
+        else
+            real_sgemv(RowMajor, NoTrans, N, K, alpha, B, ldb, A, inca, beta, C, 1);
+        forwarded_gemv++;
+        return;
+    }
+    if (N == 1 && M > 1 && K > 0) {
+        /* c (Mx1, ldc apart) = op(A) b. b's elements are ldb apart unless B is transposed. */
+        int64_t incb = tb == NoTrans ? ldb : 1;
+        if (ta == NoTrans)
+            real_sgemv(RowMajor, NoTrans, M, K, alpha, A, lda, B, incb, beta, C, ldc);
+        else
+            real_sgemv(RowMajor, Trans, K, M, alpha, A, lda, B, incb, beta, C, ldc);
+        forwarded_gemv++;
+        return;
+    }
+    real_sgemm(RowMajor, ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
+    forwarded_gemm++;
+}
+
+void cblas_sgemm(int order, int ta, int tb, int M, int N, int K, float alpha, const float *A, int lda,
+                 const float *B, int ldb, float beta, float *C, int ldc) {
+    if (order == ColMajor) /* C^T = op(B)^T op(A)^T in row-major terms */
+        row_major(tb, ta, N, M, K, alpha, B, ldb, A, lda, beta, C, ldc);
+    else
+        row_major(ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
+}
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_shim", NULL, -1, NULL};
+
+PyMODINIT_FUNC PyInit__shim(void) { return PyModule_Create(&module); }

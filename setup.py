@@ -1,0 +1,23 @@
+"""Build step for the one compiled piece: the CPU BLAS shim (Linux only, optional).
+
+Everything else is in pyproject.toml. `optional=True`: without a C compiler the install
+still succeeds and the server falls back to MLX's stock BLAS with one warning line.
+"""
+
+import sys
+
+from setuptools import Extension, setup
+
+ext_modules = []
+if sys.platform.startswith("linux"):
+    ext_modules.append(
+        Extension(
+            "lmsp_mlx.cpu_blas._shim",
+            sources=["lmsp_mlx/cpu_blas/shim.c"],
+            extra_compile_args=["-O2"],
+            libraries=["dl"],
+            optional=True,
+        )
+    )
+
+setup(ext_modules=ext_modules)
