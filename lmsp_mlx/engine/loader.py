@@ -112,8 +112,12 @@ def load_model(path: Path, *, model_id: str | None = None, ctx: int | None = Non
         raise ModelLoadError(f"cannot load {path}: {type(exc).__name__}: {exc}") from None
     stored = _describe_quantization(config)
     if backend == "cpu":
+        from . import cpu_math
+
         _to_float32(model)
         quantization = "float32" if stored.startswith("float") else f"float32 (dequantized from {stored})"
+        if replaced := cpu_math.install(model):
+            log.info("CPU fast math for %s: %s", path.name, ", ".join(replaced))
     else:
         quantization = stored
     trained = int(config.get("max_position_embeddings") or config.get("max_seq_len") or 4096)
