@@ -5,7 +5,8 @@
 Both sides run the same weights (loaded by lmsp-mlx's loader: float32 on the CPU backend)
 on the same rendered prompt at temperature 0, so they decode the same tokens. For each
 prompt length it times, from the caller's side, prefill (prompt tokens / time to the first
-token) and decode (later tokens / time from the first to the last), writes
+token) and decode (later tokens / time from the first to the last), alternating the sides
+and keeping each side's best run, writes
 benchmarks/results/prefill_decode.csv and .png, and prints a Markdown table.
 """
 
@@ -15,7 +16,6 @@ import argparse
 import csv
 import json
 import socket
-import statistics
 import subprocess
 import sys
 import time
@@ -129,7 +129,7 @@ def main() -> None:
     p.add_argument("--model", type=Path, help="mlx-lm model directory (default: the embedded SmolLM2)")
     p.add_argument("--lengths", default="32,128,512", help="prompt lengths in tokens, comma-separated")
     p.add_argument("--decode", type=int, default=64, help="tokens to decode per run")
-    p.add_argument("--repeats", type=int, default=3, help="runs per side and length; the median is kept")
+    p.add_argument("--repeats", type=int, default=5, help="runs per side and length; the best is kept")
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
     args = p.parse_args()
 
@@ -148,10 +148,12 @@ def main() -> None:
             for _ in range(args.repeats):  # alternate sides so load drifts hit both alike
                 for side, fn in sides.items():
                     runs[side].append(fn())
+            # Best of the runs: load from other tenants of a shared machine only ever slows a
+            # run down, so the fastest run is the closest to what the code itself does.
             for side, results in runs.items():
-                median = sorted(results, key=lambda r: r["decode_tps"])[len(results) // 2]
-                median["prefill_tps"] = statistics.median(r["prefill_tps"] for r in results)
-                row = {"model": lm.id, "backend": f"{lm.backend} {lm.quantization}", "side": side, **median}
+                best = max(results, key=lambda r: r["decode_tps"])
+                best["prefill_tps"] = max(r["prefill_tps"] for r in results)
+                row = {"model": lm.id, "backend": f"{lm.backend} {lm.quantization}", "side": side, **best}
                 rows.append(row)
                 print(f"{side:16s} prompt={row['prompt_tokens']:5d} out={row['output_tokens']:3d} "
                       f"prefill={row['prefill_tps']:8.1f} tok/s decode={row['decode_tps']:6.2f} tok/s", flush=True)

@@ -100,6 +100,10 @@ def main(argv: list[str] | None = None) -> int:
     except (ModelStoreError, ModelLoadError) as exc:
         return _fail(str(exc))
     log.info("model %s ready: context %d, %s on %s", lm.id, lm.context_length, lm.quantization, lm.backend)
+    if lm.backend == "cpu":
+        from .cpu_blas import status
+
+        log.info("MLX CPU float32 matmuls: %s", status())
 
     from .server.app import create_app
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import sys
 
 from conftest import ask
 from tiny_model import FINISHES
@@ -26,6 +27,8 @@ def test_models_listing_reports_context_and_backend(client):
     assert model["capabilities"] == ["text"]
     assert model["backend"] in ("cpu", "metal", "cuda")
     assert model["quantization"]
+    if model["backend"] == "cpu" and sys.platform.startswith("linux"):
+        assert model["cpu_matmul"].startswith("OpenBLAS")  # the server process routes MLX's matmuls
     assert client.get("/lmsp/v1/models/tiny").json()["id"] == "tiny"
     missing = client.get("/lmsp/v1/models/nope")
     assert missing.status_code == 404 and missing.json()["code"] == "model_not_found"

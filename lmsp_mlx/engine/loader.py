@@ -38,7 +38,7 @@ class LoadedModel:
     eos_token_ids: frozenset[int] = field(default_factory=frozenset)
 
     def describe(self) -> dict[str, Any]:
-        return {
+        doc = {
             "id": self.id,
             "object": "model",
             "context_length": self.context_length,
@@ -46,6 +46,11 @@ class LoadedModel:
             "quantization": self.quantization,
             "backend": self.backend,
         }
+        if self.backend == "cpu":
+            from ..cpu_blas import status
+
+            doc["cpu_matmul"] = status()  # "stock" or the BLAS the float32 matmuls run on
+        return doc
 
 
 def backend_name() -> str:
