@@ -5,9 +5,9 @@
 Both sides run the same weights (loaded by lmsp-mlx's loader: float32 on the CPU backend)
 on the same rendered prompt at temperature 0, so they decode the same tokens. For each
 prompt length it times, from the caller's side, prefill (prompt tokens / time to the first
-token) and decode (later tokens / time from the first to the last), alternating the sides
-and keeping each side's best run, writes
-benchmarks/results/prefill_decode.csv and .png, and prints a Markdown table.
+token) and decode (later tokens / time from the first to the last) in back-to-back pairs,
+writes every run to benchmarks/results/prefill_decode.csv, the medians to .png, and prints
+a Markdown table whose decode ratio is the median of the pairs' ratios.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import argparse
 import csv
 import json
 import socket
+import statistics
 import subprocess
 import sys
 import time
@@ -102,24 +103,24 @@ def start_server(model: Path, model_id: str) -> tuple[subprocess.Popen, str]:
     raise SystemExit("the server did not start")
 
 
-def plot(rows: list[dict], out: Path) -> None:
+def plot(summary: list[dict], title: str, out: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
-    for ax, metric in zip(axes, ("prefill_tps", "decode_tps")):
-        for side, marker in (("mlx-lm direct", "o"), ("lmsp-mlx server", "s")):
-            pts = [(r["prompt_tokens"], r[metric]) for r in rows if r["side"] == side]
-            ax.plot(*zip(*pts), marker=marker, label=side)
+    for ax, metric in zip(axes, ("prefill", "decode")):
+        for side, marker in (("direct", "o"), ("server", "s")):
+            pts = [(r["prompt_tokens"], r[f"{metric}_{side}"]) for r in summary]
+            ax.plot(*zip(*pts), marker=marker, label="mlx-lm direct" if side == "direct" else "lmsp-mlx server")
         ax.set_xscale("log")
         ax.set_xlabel("prompt tokens")
-        ax.set_ylabel(metric.replace("_tps", " tok/s"))
+        ax.set_ylabel(f"{metric} tok/s (median)")
         ax.set_ylim(bottom=0)
         ax.grid(alpha=0.3)
         ax.legend()
-    fig.suptitle(rows[0]["model"] + " on " + rows[0]["backend"])
+    fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(out, dpi=120)
 
@@ -129,50 +130,55 @@ def main() -> None:
     p.add_argument("--model", type=Path, help="mlx-lm model directory (default: the embedded SmolLM2)")
     p.add_argument("--lengths", default="32,128,512", help="prompt lengths in tokens, comma-separated")
     p.add_argument("--decode", type=int, default=64, help="tokens to decode per run")
-    p.add_argument("--repeats", type=int, default=5, help="runs per side and length; the best is kept")
+    p.add_argument("--repeats", type=int, default=7, help="direct/server pairs per length")
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
     args = p.parse_args()
 
     model_path = args.model or ensure_packaged_model(DEFAULT_MODEL, default_models_dir())
     lm = load_model(model_path)
     proc, url = start_server(model_path, lm.id)
-    rows = []
+    runs, summary = [], []
     try:
         warm = make_messages(lm.tokenizer, 16)
         direct(lm, warm, 4), served(url, lm.id, warm, 4)
         for target in [int(x) for x in args.lengths.split(",")]:
             messages = make_messages(lm.tokenizer, target)
-            sides = {"mlx-lm direct": lambda: direct(lm, messages, args.decode),
-                     "lmsp-mlx server": lambda: served(url, lm.id, messages, args.decode)}
-            runs: dict[str, list[dict]] = {side: [] for side in sides}
-            for _ in range(args.repeats):  # alternate sides so load drifts hit both alike
-                for side, fn in sides.items():
-                    runs[side].append(fn())
-            # Best of the runs: load from other tenants of a shared machine only ever slows a
-            # run down, so the fastest run is the closest to what the code itself does.
-            for side, results in runs.items():
-                best = max(results, key=lambda r: r["decode_tps"])
-                best["prefill_tps"] = max(r["prefill_tps"] for r in results)
-                row = {"model": lm.id, "backend": f"{lm.backend} {lm.quantization}", "side": side, **best}
-                rows.append(row)
-                print(f"{side:16s} prompt={row['prompt_tokens']:5d} out={row['output_tokens']:3d} "
-                      f"prefill={row['prefill_tps']:8.1f} tok/s decode={row['decode_tps']:6.2f} tok/s", flush=True)
+            pairs = []
+            for repeat in range(args.repeats):
+                # Each pair runs back to back, so drifts in the machine's load hit both alike.
+                pair = {"direct": direct(lm, messages, args.decode), "server": served(url, lm.id, messages, args.decode)}
+                pairs.append(pair)
+                for side, r in pair.items():
+                    runs.append({"prompt_target": target, "repeat": repeat, "side": side, **r})
+            med = lambda side, key: statistics.median(p[side][key] for p in pairs)  # noqa: E731
+            row = {
+                "prompt_tokens": pairs[0]["direct"]["prompt_tokens"],
+                "prefill_direct": med("direct", "prefill_tps"), "prefill_server": med("server", "prefill_tps"),
+                "decode_direct": med("direct", "decode_tps"), "decode_server": med("server", "decode_tps"),
+                # The median of the pairs' ratios: the estimate least moved by load bursts.
+                "decode_ratio": statistics.median(p["server"]["decode_tps"] / p["direct"]["decode_tps"] for p in pairs),
+            }
+            summary.append(row)
+            print(f"prompt={row['prompt_tokens']:5d} decode direct={row['decode_direct']:.2f} "
+                  f"server={row['decode_server']:.2f} ratio={row['decode_ratio']:.3f}", flush=True)
     finally:
         proc.terminate()
         proc.wait(timeout=30)
 
     args.out.mkdir(parents=True, exist_ok=True)
     with open(args.out / "prefill_decode.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer = csv.DictWriter(f, fieldnames=list(runs[0]))
         writer.writeheader()
-        writer.writerows(rows)
-    plot(rows, args.out / "prefill_decode.png")
+        writer.writerows(runs)
+    plot(summary, f"{lm.id} on {lm.backend} {lm.quantization}", args.out / "prefill_decode.png")
 
-    print("\n| prompt tokens | prefill tok/s direct | prefill tok/s server | decode tok/s direct | decode tok/s server | decode ratio |")
+    print(f"\n{lm.id}, {lm.backend} {lm.quantization}, {args.decode} decoded tokens, "
+          f"medians of {args.repeats} back-to-back pairs\n")
+    print("| prompt tokens | prefill tok/s direct | prefill tok/s server | decode tok/s direct | decode tok/s server | decode ratio (median of pairs) |")
     print("|---:|---:|---:|---:|---:|---:|")
-    for d, s in zip(rows[0::2], rows[1::2]):
-        print(f"| {d['prompt_tokens']} | {d['prefill_tps']:.1f} | {s['prefill_tps']:.1f} | "
-              f"{d['decode_tps']:.2f} | {s['decode_tps']:.2f} | {s['decode_tps'] / d['decode_tps']:.3f} |")
+    for r in summary:
+        print(f"| {r['prompt_tokens']} | {r['prefill_direct']:.1f} | {r['prefill_server']:.1f} | "
+              f"{r['decode_direct']:.2f} | {r['decode_server']:.2f} | {r['decode_ratio']:.3f} |")
 
 
 if __name__ == "__main__":
