@@ -38,6 +38,13 @@ def test_responses_stream_and_final_response(sdk):
     assert "Paris" in final.output_text
 
 
+def test_models_through_the_sdk(sdk):
+    assert [m.id for m in sdk.models.list()] == [DEFAULT_MODEL_ID]
+    assert sdk.models.retrieve(DEFAULT_MODEL_ID).id == DEFAULT_MODEL_ID
+    with pytest.raises(openai.NotFoundError):
+        sdk.models.retrieve("no-such-model")
+
+
 def test_incomplete_and_errors_through_the_sdk(sdk):
     r = sdk.responses.create(model=DEFAULT_MODEL_ID, input="Tell me a long story.", max_output_tokens=4)
     assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"

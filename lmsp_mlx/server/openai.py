@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from quart import Blueprint
 
+from ..protocol.problems import Problem
 from ..protocol.responses import v1_response
 from .run import ResponseRun, start_run
 from .sse import OpenResponsesEvents, sse_response
@@ -16,10 +17,21 @@ from .state import state
 bp = Blueprint("openai", __name__, url_prefix="/v1")
 
 
+def _model_object() -> dict:
+    lm = state().engine.model
+    return {"id": lm.id, "object": "model", "created": 0, "owned_by": "lmsp-mlx"}
+
+
 @bp.get("/models")
 async def list_models():
-    lm = state().engine.model
-    return {"object": "list", "data": [{"id": lm.id, "object": "model", "created": 0, "owned_by": "lmsp-mlx"}]}
+    return {"object": "list", "data": [_model_object()]}
+
+
+@bp.get("/models/<path:model_id>")
+async def get_model(model_id: str):
+    if model_id != state().engine.model.id:
+        raise Problem("model_not_found", f"model {model_id!r} is not served here", param="model")
+    return _model_object()
 
 
 @bp.post("/responses")
