@@ -4,11 +4,12 @@
 
 1. float32 GEMM GFLOP/s: MLX (through lmsp-mlx's BLAS routing) against numpy's sgemm.
 2. The model's prefill tok/s, through the server's generation loop, against the FLOP
-   bound: the sgemm rate measured in step 1 divided by the model's FLOPs per prompt token
-   (every matmul, the output head and the attention over the prompt).
+   bound: the sgemm rate measured in step 1 divided by the FLOPs a prompt token needs
+   (the layers' matmuls and the attention over the prompt; no output head, whose logits
+   only the last prompt token needs).
 3. Decode tok/s against the memory-bandwidth bound: the streaming read rate of this
    machine, measured here, divided by the bytes a decode step must read (all weights
-   used as matmuls, plus the KV cache).
+   used as matmuls, output head included, plus the KV cache).
 
 Writes benchmarks/results/cpu_bounds.csv and prints a Markdown table.
 """
@@ -69,12 +70,13 @@ def read_bandwidth(gib: float = 1.0, threads: int = 2) -> float:
     return data.nbytes / best_time(run, repeats=3)
 
 
-def matmul_params(config: dict) -> int:
+def body_params(config: dict) -> int:
+    """Weights used as matmuls in the transformer layers (not the output head)."""
     h, inter, layers = config["hidden_size"], config["intermediate_size"], config["num_hidden_layers"]
     heads, kv = config["num_attention_heads"], config["num_key_value_heads"]
     head_dim = config.get("head_dim") or h // heads
     per_layer = h * heads * head_dim * 2 + h * kv * head_dim * 2 + 3 * h * inter
-    return layers * per_layer + config["vocab_size"] * h  # + the output head
+    return layers * per_layer
 
 
 def attention_flops(config: dict, context: int) -> int:
@@ -121,8 +123,12 @@ def main() -> None:
     prefill = max(r[0] for r in runs)  # best run, as for GEMM: interference only slows runs down
     decode = max(r[1] for r in runs)
 
-    params = matmul_params(config)
-    prefill_flops = 2 * params + attention_flops(config, args.prompt // 2)
+    body = body_params(config)
+    head = config["vocab_size"] * config["hidden_size"]
+    params = body + head
+    # A prompt token needs the layers and attention, not the output head: only the last
+    # prompt token's logits are used, and the server computes no others.
+    prefill_flops = 2 * body + attention_flops(config, args.prompt // 2)
     prefill_bound = sgemm_rate / prefill_flops
     kv_bytes = 2 * config["num_hidden_layers"] * config["num_key_value_heads"] * (
         config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
