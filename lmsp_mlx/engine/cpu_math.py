@@ -26,6 +26,7 @@ from functools import lru_cache, partial
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
+from mlx_lm.models import activations, base
 
 _LOG2E = 1.4426950408889634
 _LN2_HI, _LN2_LO = 0.693145751953125, 1.428606765330187e-06  # Cody-Waite split of ln 2
@@ -67,14 +68,8 @@ _FAST_FROM = 16384
 
 def swiglu(gate: mx.array, x: mx.array) -> mx.array:
     if gate.size < _FAST_FROM:
-        return _mlx_swiglu(gate, x)
+        return activations.swiglu(gate, x)
     return silu(gate) * x
-
-
-def _mlx_swiglu(gate: mx.array, x: mx.array) -> mx.array:
-    from mlx_lm.models.activations import swiglu as mlx_swiglu
-
-    return mlx_swiglu(gate, x)
 
 
 @lru_cache(maxsize=16)
@@ -125,8 +120,6 @@ def prefill_attention(queries, keys, values, scale: float, mask) -> mx.array:
 
 def scaled_dot_product_attention(queries, keys, values, cache, scale: float, mask, sinks=None):
     """mlx-lm's `models.base.scaled_dot_product_attention`, with numpy's softmax for prefill."""
-    from mlx_lm.models import base
-
     plain = not hasattr(cache, "bits") and sinks is None and queries.dtype == mx.float32
     if plain and queries.shape[2] > 1:
         return prefill_attention(queries, keys, values, scale, mask)
@@ -135,8 +128,6 @@ def scaled_dot_product_attention(queries, keys, values, cache, scale: float, mas
 
 def install(model: nn.Module) -> list[str]:
     """Point the model's module at the fast ops; returns the names it replaced."""
-    from mlx_lm.models import activations, base
-
     swaps = {
         "swiglu": (activations.swiglu, swiglu),
         "scaled_dot_product_attention": (base.scaled_dot_product_attention, scaled_dot_product_attention),

@@ -63,7 +63,6 @@ class Counters:
     requests: dict[str, int] = field(default_factory=dict)  # by final status
     prompt_tokens: int = 0
     output_tokens: int = 0
-    busy: bool = False
 
 
 class Engine:
@@ -110,6 +109,10 @@ class Engine:
     def queued(self) -> int:
         return self._jobs.qsize()
 
+    @property
+    def busy(self) -> bool:
+        return self._current is not None
+
     def submit(self, params: GenerationParams, route: str) -> Job:
         job = Job(params=params, route=route, loop=asyncio.get_running_loop())
         try:
@@ -131,9 +134,9 @@ class Engine:
         finally:
             self._ready.set()
         while (job := self._jobs.get()) is not None:
-            self._current, self.counters.busy = job, True
+            self._current = job
             self._run_job(job)
-            self._current, self.counters.busy = None, False
+            self._current = None
 
     def _run_job(self, job: Job) -> None:
         lm = self.model
