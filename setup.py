@@ -13,9 +13,9 @@ if sys.platform.startswith("linux"):
     ext_modules.append(
         Extension(
             "lmsp_mlx.cpu_blas._shim",
-            sources=["lmsp_mlx/cpu_blas/shim.c"],
-            extra_compile_args=["-O2"],
-            libraries=["dl"],
+            sources=["lmsp_mlx/cpu_blas/shim.c", "lmsp_mlx/cpu_blas/prefill.c"],
+            extra_compile_args=["-O3"],
+            libraries=["dl", "m"],
             optional=True,
         )
     )

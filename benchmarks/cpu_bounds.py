@@ -2,14 +2,18 @@
 
     python benchmarks/cpu_bounds.py [--model PATH] [--prompt 512] [--decode 64]
 
-1. float32 GEMM GFLOP/s: MLX (through lmsp-mlx's BLAS routing) against numpy's sgemm.
+1. float32 GEMM GFLOP/s: MLX (through lmsp-mlx's BLAS routing) against numpy's sgemm,
+   in back-to-back pairs (median ratio).
 2. The model's prefill tok/s, through the server's generation loop, against the FLOP
-   bound: the sgemm rate measured in step 1 divided by the FLOPs a prompt token needs
-   (the layers' matmuls and the attention over the prompt; no output head, whose logits
-   only the last prompt token needs).
+   bound: numpy's sgemm rate divided by the FLOPs a prompt token needs (the layers'
+   matmuls and the attention over the prompt; no output head, whose logits only the last
+   prompt token needs). The sgemm rate of these shared machines swings by 30% within
+   minutes, so each prefill run is paired with an sgemm measurement taken just before
+   it, and the ratio is the median of the pairs.
 3. Decode tok/s against the memory-bandwidth bound: the streaming read rate of this
-   machine, measured here, divided by the bytes a decode step must read (all weights
-   used as matmuls, output head included, plus the KV cache).
+   machine, measured just before each run, divided by the bytes a decode step must read
+   (all weights used as matmuls, output head included, plus the KV cache); the ratio is
+   the median of the pairs.
 
 Writes benchmarks/results/cpu_bounds.csv and prints a Markdown table.
 """
@@ -44,15 +48,27 @@ def best_time(fn, repeats: int = 5) -> float:
     return min(times)
 
 
-def gemm_gflops(n: int) -> tuple[float, float]:
+def gemm_gflops(n: int, repeats: int = 7) -> tuple[float, float, float]:
+    """MLX and numpy GFLOP/s (medians) and the median ratio of back-to-back pairs: the
+    machine's rate drifts by tens of percent within seconds, a pair sees the same state."""
     rng = np.random.default_rng(0)
     a, b = rng.standard_normal((n, n), dtype=np.float32), rng.standard_normal((n, n), dtype=np.float32)
     xa, xb = mx.array(a), mx.array(b)
     mx.eval(xa, xb)
     flops = 2 * n**3
-    mlx_t = best_time(lambda: mx.eval(xa @ xb))
-    np_t = best_time(lambda: a @ b)
-    return flops / mlx_t / 1e9, flops / np_t / 1e9
+    pairs = []
+    for _ in range(repeats):
+        mlx_t = best_time(lambda: mx.eval(xa @ xb), 2)
+        np_t = best_time(lambda: a @ b, 2)
+        pairs.append((flops / mlx_t / 1e9, flops / np_t / 1e9))
+    mlx_gf, np_gf = (float(np.median([p[i] for p in pairs])) for i in (0, 1))
+    return mlx_gf, np_gf, float(np.median([m / n_ for m, n_ in pairs]))
+
+
+def numpy_sgemm_gflops(n: int = 2048, repeats: int = 5) -> float:
+    rng = np.random.default_rng(1)
+    a, b = rng.standard_normal((n, n), dtype=np.float32), rng.standard_normal((n, n), dtype=np.float32)
+    return 2 * n**3 / best_time(lambda: a @ b, repeats) / 1e9
 
 
 def read_bandwidth(gib: float = 1.0, threads: int = 2) -> float:
@@ -107,42 +123,44 @@ def main() -> None:
     print(f"BLAS: {cpu_blas.status()}", flush=True)
     rows = []
     for n in (512, 1024, 2048):
-        mlx_gf, np_gf = gemm_gflops(n)
-        rows.append(("gemm", f"{n}x{n}x{n} float32", "GFLOP/s", mlx_gf, np_gf, mlx_gf / np_gf, 0.8))
+        mlx_gf, np_gf, ratio = gemm_gflops(n)
+        rows.append(("gemm", f"{n}x{n}x{n} float32", "GFLOP/s", mlx_gf, np_gf, ratio, 0.8))
         print(f"gemm {n}: mlx {mlx_gf:.1f} numpy {np_gf:.1f} GFLOP/s", flush=True)
-    sgemm_rate = max(r[4] for r in rows) * 1e9  # numpy's sgemm: the machine's float32 matmul rate
-    bandwidth = read_bandwidth()
-    print(f"read bandwidth {bandwidth / 1e9:.1f} GB/s", flush=True)
 
     path = args.model or ensure_packaged_model(DEFAULT_MODEL, default_models_dir())
     lm = load_model(path)
     config = __import__("json").loads((path / "config.json").read_text())
     filler = "The clerks copied the ledgers again because the damp reached the lower shelves. "
     ids = lm.tokenizer.encode(filler * (args.prompt // 10 + 1), add_special_tokens=False)[: args.prompt]
-    runs = [time_generation(lm, ids, args.decode) for _ in range(args.repeats)]
-    prefill = max(r[0] for r in runs)  # best run, as for GEMM: interference only slows runs down
-    decode = max(r[1] for r in runs)
-
     body = body_params(config)
     head = config["vocab_size"] * config["hidden_size"]
     params = body + head
     # A prompt token needs the layers and attention, not the output head: only the last
     # prompt token's logits are used, and the server computes no others.
     prefill_flops = 2 * body + attention_flops(config, args.prompt // 2)
-    prefill_bound = sgemm_rate / prefill_flops
     kv_bytes = 2 * config["num_hidden_layers"] * config["num_key_value_heads"] * (
         config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
     ) * 4 * (args.prompt + args.decode // 2)
-    decode_bound = bandwidth / (4 * params + kv_bytes)
-    rows.append(("prefill", f"{lm.id} {args.prompt} tokens", "tok/s", prefill, prefill_bound, prefill / prefill_bound, 0.5))
-    rows.append(("decode", f"{lm.id} after {args.prompt} tokens", "tok/s", decode, decode_bound, decode / decode_bound, 0.6))
+    decode_bytes = 4 * params + kv_bytes
+    runs = []  # (sgemm FLOP/s and read bytes/s just before, prefill tok/s, decode tok/s)
+    for _ in range(args.repeats):
+        rate, bandwidth = numpy_sgemm_gflops() * 1e9, read_bandwidth()
+        runs.append((rate, bandwidth, *time_generation(lm, ids, args.decode)))
+        print(f"sgemm {rate / 1e9:.1f} GFLOP/s, read {bandwidth / 1e9:.1f} GB/s, "
+              f"prefill {runs[-1][2]:.1f} tok/s, decode {runs[-1][3]:.1f} tok/s", flush=True)
+    sgemm_rate, bandwidth, prefill, decode = (float(np.median([r[i] for r in runs])) for i in range(4))
+    prefill_bound, decode_bound = sgemm_rate / prefill_flops, bandwidth / decode_bytes
+    prefill_ratio = float(np.median([r[2] * prefill_flops / r[0] for r in runs]))
+    decode_ratio = float(np.median([r[3] * decode_bytes / r[1] for r in runs]))
+    rows.append(("prefill", f"{lm.id} {args.prompt} tokens", "tok/s", prefill, prefill_bound, prefill_ratio, 0.5))
+    rows.append(("decode", f"{lm.id} after {args.prompt} tokens", "tok/s", decode, decode_bound, decode_ratio, 0.6))
 
     args.out.mkdir(parents=True, exist_ok=True)
     with open(args.out / "cpu_bounds.csv", "w", newline="") as f:
         w = csv.writer(f)
         w.writerow(["what", "case", "unit", "measured", "reference", "ratio", "target"])
         w.writerows(rows)
-    print(f"\nsgemm {sgemm_rate / 1e9:.1f} GFLOP/s, read bandwidth {bandwidth / 1e9:.1f} GB/s, "
+    print(f"\nsgemm {sgemm_rate / 1e9:.1f} GFLOP/s (median), read bandwidth {bandwidth / 1e9:.1f} GB/s, "
           f"{params / 1e6:.1f}M matmul parameters\n")
     print("| what | case | measured | reference | ratio | target |")
     print("|---|---|---:|---:|---:|---:|")

@@ -1,38 +1,73 @@
-"""The CPU backend's fast exp/SiLU agree with MLX's own to float32 rounding."""
+"""The CPU backend's fused prefill ops agree with MLX's own to float32 rounding."""
 
 from __future__ import annotations
 
 import mlx.core as mx
 import numpy as np
+import mlx.nn as nn
 import pytest
+from lmsp_mlx import cpu_blas
 from lmsp_mlx.engine import cpu_math
+from mlx_lm.models import activations
+
+needs_kernels = pytest.mark.skipif(cpu_blas.fused_kernels() is None, reason="compiled shim not installed")
 
 
-def test_exp_matches_float64_over_the_float32_range():
-    x = np.concatenate([np.linspace(-87, 88, 200001), [0.0, -1e-8, 1e-8]]).astype(np.float32)
-    got = np.array(cpu_math.exp(mx.array(x)), dtype=np.float64)
-    want = np.exp(x.astype(np.float64))
-    assert np.max(np.abs(got / want - 1)) < 5e-7
+@needs_kernels
+def test_swiglu_matches_mlx():
+    gate = mx.random.normal((2, 64, 1536)) * 8
+    up = mx.random.normal((2, 64, 1536))
+    want = gate * mx.sigmoid(gate) * up
+    assert mx.abs(cpu_math.swiglu(gate, up) - want).max().item() < 1e-5
+    # Saturated ends: e^(-x) clamps instead of overflowing into inf/nan.
+    big = mx.concatenate([mx.array([-1e4, -90.0, -1e-8, 0.0, 90.0, 1e4]), mx.zeros(20000)])
+    got = np.array(cpu_math.swiglu(big, mx.ones_like(big)))
+    assert np.isfinite(got).all()
+    assert np.allclose(got[:6], [0.0, 0.0, -5e-9, 0.0, 90.0, 1e4], atol=1e-30, rtol=1e-6)
 
 
-def test_exp_of_masked_scores_is_exactly_zero():
-    # -inf (a masked score) and anything below the smallest normal float32 flush to 0.0.
-    got = np.array(cpu_math.exp(mx.array([-np.inf, -1000.0, -100.0], dtype=mx.float32)))
-    assert (got == 0.0).all()
+def test_swiglu_leaves_decode_steps_and_other_dtypes_to_mlx():
+    small = mx.random.normal((1, 1, 1536))
+    assert mx.array_equal(cpu_math.swiglu(small, small), activations.swiglu(small, small))
+    half = mx.random.normal((64, 1536)).astype(mx.float16)
+    assert cpu_math.swiglu(half, half).dtype == mx.float16
 
 
-def test_silu_matches_mlx():
-    x = mx.random.normal((64, 1536)) * 8
-    want = x * mx.sigmoid(x)
-    assert mx.abs(cpu_math.silu(x) - want).max().item() < 1e-5
-    big = mx.array([-1e4, -90.0, 0.0, 90.0, 1e4])
-    assert np.allclose(np.array(cpu_math.silu(big)), np.array(big * mx.sigmoid(big)), atol=1e-30)
+@needs_kernels
+@pytest.mark.parametrize("heads, kv_heads", [(6, 2), (4, 4), (8, 1)])
+@pytest.mark.parametrize("length, source", [(2, 2), (5, 12), (200, 200), (130, 700)])
+def test_causal_attention_matches_mlx(heads, kv_heads, length, source):
+    # 200 positions x 3 heads spans several 256-row blocks; 130 of 700 continues a cache.
+    q = mx.random.normal((1, heads, length, 32)) * 3  # large scores: the exp clamp matters
+    k = mx.random.normal((1, kv_heads, source, 32)) * 3
+    v = mx.random.normal((1, kv_heads, source, 32))
+    want = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.2, mask="causal")
+    got = cpu_math.causal_attention(q, k, v, 0.2)
+    assert got.shape == want.shape
+    assert mx.abs(got - want).max().item() < 1e-4
 
 
-def test_other_dtypes_use_mlx_itself():
-    x = mx.random.normal((8,)).astype(mx.float16)
-    assert cpu_math.silu(x).dtype == mx.float16
-    assert mx.array_equal(cpu_math.exp(x), mx.exp(x))
+@needs_kernels
+@pytest.mark.parametrize("dims, offset", [(64, 0), (32, 1000), (64, 4000)])
+def test_fused_rope_matches_mlx_and_float64(dims, offset):
+    rope = nn.RoPE(dims, base=100000)
+    x = mx.random.normal((2, 20, 5, 64)).transpose(0, 2, 1, 3)  # the layout attention passes
+    got = cpu_math.FusedRoPE(rope)(x, offset=offset)
+    # MLX computes the angles in float32, the fused path in float64: at position 4000
+    # they differ by about 1e-3 radian.
+    assert mx.abs(got - rope(x, offset=offset)).max().item() < 3e-3
+    half = dims // 2
+    xs = np.array(x, dtype=np.float64)
+    angles = (offset + np.arange(20))[:, None] * 100000.0 ** (-np.arange(0, dims, 2) / dims)
+    lo, hi = xs[..., :half], xs[..., half:dims]
+    want = np.concatenate([lo * np.cos(angles) - hi * np.sin(angles), hi * np.cos(angles) + lo * np.sin(angles), xs[..., dims:]], -1)
+    assert np.abs(np.array(got) - want).max() < 1e-4
+
+
+def test_fused_rope_leaves_decode_steps_to_mlx():
+    rope = nn.RoPE(64)
+    x = mx.random.normal((1, 4, 1, 64))
+    assert mx.array_equal(cpu_math.FusedRoPE(rope)(x, offset=7), rope(x, offset=7))
 
 
 @pytest.mark.parametrize("length, source", [(7, 7), (5, 12), (64, 64)])
@@ -66,7 +101,8 @@ def test_installed_model_gives_the_same_logits(tiny_model_dir, monkeypatch):
     model, _ = load_model(tiny_model_dir)
     tokens = mx.array([[5, 9, 40, 41, 77, 3] * 30])
     before = model(tokens)
-    assert cpu_math.install(model) == ["swiglu", "scaled_dot_product_attention"]
+    assert cpu_math.install(model) == ["swiglu", "scaled_dot_product_attention", "rope"]
+    assert isinstance(model.model.layers[0].self_attn.rope, cpu_math.FusedRoPE)
     assert llama.swiglu is cpu_math.swiglu
     after = model(tokens)
     assert mx.abs(after - before).max().item() < 1e-3

@@ -59,6 +59,9 @@ def accelerate() -> str:
     # Promote to the global scope now that it works: mlx.core binds cblas_sgemm to it at import.
     _shim = ctypes.CDLL(shim.origin, mode=ctypes.RTLD_GLOBAL)
     _shim.lmsp_blas_calls.restype = ctypes.c_longlong
+    _shim.lmsp_swiglu.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64]
+    _shim.lmsp_causal_attention.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 4 + [ctypes.c_float]
+    _shim.lmsp_rope.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 8 + [ctypes.c_void_p] * 2
     _status = f"{_openblas_config(openblas)} (numpy's), sgemv for one-row products"
     return _status
 
@@ -66,6 +69,12 @@ def accelerate() -> str:
 def status() -> str:
     """'stock', or which BLAS MLX's float32 matmuls run on."""
     return _status
+
+
+def fused_kernels() -> ctypes.CDLL | None:
+    """The shim's fused prefill kernels (`prefill.c`: causal attention, SwiGLU, RoPE), or None
+    where the shim is not installed. ctypes releases the GIL while they run."""
+    return _shim
 
 
 def forwarded_calls() -> tuple[int, int]:

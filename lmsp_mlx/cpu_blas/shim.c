@@ -23,7 +23,7 @@ typedef void (*sgemm_fn)(int, int, int, int64_t, int64_t, int64_t, float, const 
 typedef void (*sgemv_fn)(int, int, int64_t, int64_t, float, const float *, int64_t, const float *,
                          int64_t, float, float *, int64_t);
 
-static sgemm_fn real_sgemm;
+sgemm_fn lmsp_real_sgemm; /* also used by prefill.c */
 static sgemv_fn real_sgemv;
 static long long forwarded_gemm, forwarded_gemv;
 
@@ -31,9 +31,9 @@ static long long forwarded_gemm, forwarded_gemv;
 int lmsp_blas_init(const char *path) {
     void *lib = dlopen(path, RTLD_NOW | RTLD_LOCAL);
     if (!lib) return 1;
-    real_sgemm = (sgemm_fn)dlsym(lib, "scipy_cblas_sgemm64_");
+    lmsp_real_sgemm = (sgemm_fn)dlsym(lib, "scipy_cblas_sgemm64_");
     real_sgemv = (sgemv_fn)dlsym(lib, "scipy_cblas_sgemv64_");
-    return real_sgemm && real_sgemv ? 0 : 2;
+    return lmsp_real_sgemm && real_sgemv ? 0 : 2;
 }
 
 long long lmsp_blas_calls(int which) { return which ? forwarded_gemv : forwarded_gemm; }
@@ -61,7 +61,7 @@ static void row_major(int ta, int tb, int64_t M, int64_t N, int64_t K, float alp
         forwarded_gemv++;
         return;
     }
-    real_sgemm(RowMajor, ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
+    lmsp_real_sgemm(RowMajor, ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
     forwarded_gemm++;
 }
 

@@ -1,75 +1,102 @@
-"""Fast exp-heavy ops for MLX's CPU backend: SiLU/SwiGLU, and prefill attention.
+"""Fused prefill ops for MLX's CPU backend: SwiGLU and causal attention.
 
 Measured on our Linux machines (mlx-cpu 0.32): `mx.exp` on 750k float32 values takes
-16-20 ms, numpy's 0.5 ms, while multiply/add take 0.3 ms; `sigmoid` inherits exp's cost.
-With matmuls on OpenBLAS (lmsp_mlx/cpu_blas), the SiLU in every MLP was 60% of an MLP's
-prefill time. Here exp is built from the fast ops (multiply-add, round, exponent bits) and
-compiled: e^x = 2^n e^r with n = round(x / ln 2), r reduced exactly (Cody-Waite) and e^r
-by a degree-7 polynomial (relative error below 5e-7, float32 rounding level); results
-below 2^-126.5 flush to zero, above 2^127 they saturate. SiLU drops from 21 ms to 5.7 ms.
+16-20 ms, numpy's 0.5 ms, while multiply/add take 0.3 ms; and each MLX or numpy op is a
+separate pass over memory. With the matmuls on OpenBLAS (lmsp_mlx/cpu_blas), the SiLU and
+attention's softmax cost more than all of a layer's matmuls. The compiled shim's fused
+kernels (`cpu_blas/prefill.c`, AVX2 exp) do each in one or two passes: for 512 tokens of
+SmolLM2 (9 heads, 3 KV heads) a SwiGLU drops from 21 ms to 1.1 ms, a layer's attention from
+72 ms (mx.fast) to about 6.
 
-Attention's softmax runs over prompt x context scores, where even the compiled
-polynomial is too slow (five passes of MLX elementwise ops). For prefill (more than one
-query) attention runs in numpy: the same OpenBLAS for the two matmuls, a vectorised exp
-(2.4 ms for 2.2M values): 12 ms instead of 72 for 490 tokens x 9 heads. Decode steps
-(one query) keep mx.fast, where the copies would cost more than the tiny softmax.
+Prefill attention with an explicit mask array (sliding windows, padding) runs in numpy:
+the same OpenBLAS for the two matmuls and a vectorised exp. Decode steps (one query) keep
+mx.fast, where the copies would cost more than the tiny softmax.
 
 `install(model)` swaps these into the mlx-lm module that defines the model, on the CPU
-backend only; Metal and CUDA keep MLX's own kernels.
+backend only; Metal and CUDA keep MLX's own kernels. Without the compiled shim, SwiGLU
+and causal attention stay MLX's own.
 """
 
 from __future__ import annotations
 
 import sys
-from functools import lru_cache, partial
+from functools import lru_cache
 
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 from mlx_lm.models import activations, base
 
-_LOG2E = 1.4426950408889634
-_LN2_HI, _LN2_LO = 0.693145751953125, 1.428606765330187e-06  # Cody-Waite split of ln 2
-_LIMIT = 127 * 0.6931471805599453
-_TAYLOR = tuple(1.0 / f for f in (5040.0, 720.0, 120.0, 24.0, 6.0, 2.0, 1.0, 1.0))
+from .. import cpu_blas
 
-
-@partial(mx.compile, shapeless=True)
-def _exp_parts(x: mx.array) -> tuple[mx.array, mx.array]:
-    """e^r by a polynomial, and the float32 exponent bits of 2^n, where x = n ln2 + r."""
-    # Clipped so that n stays within [-127, 127]: n = -127 gives exponent bits 0, i.e.
-    # exactly 0.0, so masked scores (-inf) vanish instead of becoming denormals (slow in BLAS).
-    x = mx.clip(x, -_LIMIT, _LIMIT)
-    n = mx.round(x * _LOG2E)
-    r = (x - n * _LN2_HI) - n * _LN2_LO  # exact reduction: |r| <= ln2 / 2
-    p = _TAYLOR[0]
-    for c in _TAYLOR[1:]:
-        p = c + r * p
-    return p, (n.astype(mx.int32) + 127) << 23
-
-
-def _exp_f32(x: mx.array) -> mx.array:
-    p, bits = _exp_parts(x)
-    return p * mx.view(bits, mx.float32)  # view cannot be compiled shapeless: kept outside
-
-
-def exp(x: mx.array) -> mx.array:
-    return _exp_f32(x) if x.dtype == mx.float32 else mx.exp(x)
-
-
-def silu(x: mx.array) -> mx.array:
-    return x / (1.0 + _exp_f32(-x)) if x.dtype == mx.float32 else nn.silu(x)
-
-
-# Below this many elements (a decode step) the polynomial's extra ops cost more in MLX's
-# per-op overhead than exp's slowness: mlx-lm's single compiled swiglu is faster there.
+# Below this many elements (a decode step) the copies to numpy and back cost more than
+# MLX's slow exp: mlx-lm's single compiled swiglu is faster there.
 _FAST_FROM = 16384
 
 
 def swiglu(gate: mx.array, x: mx.array) -> mx.array:
-    if gate.size < _FAST_FROM:
+    kernels = cpu_blas.fused_kernels()
+    if kernels is None or gate.size < _FAST_FROM or gate.shape != x.shape or {gate.dtype, x.dtype} != {mx.float32}:
         return activations.swiglu(gate, x)
-    return silu(gate) * x
+    g, u = np.ascontiguousarray(gate), np.ascontiguousarray(x)
+    out = np.empty(g.shape, np.float32)
+    kernels.lmsp_swiglu(g.ctypes.data, u.ctypes.data, out.ctypes.data, g.size)
+    return mx.array(out)
+
+
+def causal_attention(queries: mx.array, keys: mx.array, values: mx.array, scale: float) -> mx.array:
+    """Causal grouped-query attention in the fused kernel; shapes as mx.fast's.
+
+    Each KV head's group of query heads is laid out position-major, (length, group, dim),
+    so one sgemm covers the whole group."""
+    b, heads, length, dim = queries.shape
+    kv_heads, source = keys.shape[1], keys.shape[2]
+    group = heads // kv_heads
+    q = np.ascontiguousarray(np.asarray(queries).reshape(b, kv_heads, group, length, dim).transpose(0, 1, 3, 2, 4))
+    k, v = np.ascontiguousarray(keys), np.ascontiguousarray(values)
+    out = np.empty(q.shape, np.float32)
+    kernels = cpu_blas.fused_kernels()
+    for i in range(b):
+        for h in range(kv_heads):
+            if kernels.lmsp_causal_attention(
+                q[i, h].ctypes.data, k[i, h].ctypes.data, v[i, h].ctypes.data, out[i, h].ctypes.data,
+                length, group, source, dim, scale,
+            ):
+                raise MemoryError("no memory for the attention scores")
+    return mx.array(out).transpose(0, 1, 3, 2, 4).reshape(b, heads, length, dim)
+
+
+@lru_cache(maxsize=8)  # every layer's queries and keys share one prompt chunk's tables
+def _rope_tables(offset: int, length: int, dims: int, base: float, scale: float) -> tuple[np.ndarray, np.ndarray]:
+    """cos and sin of the rotation angles, (length, dims / 2), computed in float64."""
+    angles = (offset + np.arange(length))[:, None] * scale * np.power(base, -np.arange(0, dims, 2) / dims)
+    return np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
+
+
+class FusedRoPE(nn.Module):
+    """nn.RoPE (rotate-halves form) with prefill on the fused kernel; everything else,
+    decode steps included, goes to the wrapped module."""
+
+    def __init__(self, rope: nn.RoPE) -> None:
+        super().__init__()
+        self.rope = rope
+
+    def __call__(self, x: mx.array, offset: int = 0) -> mx.array:
+        kernels = cpu_blas.fused_kernels()
+        if kernels is None or x.ndim != 4 or x.shape[2] < 2 or x.dtype != mx.float32 or not isinstance(offset, int):
+            return self.rope(x, offset=offset)
+        b, heads, length, dim = x.shape
+        dims = self.rope.dims
+        cos, sin = _rope_tables(offset, length, dims, float(self.rope.base), float(self.rope.scale))
+        src = np.asarray(x)  # a strided view of MLX's buffer: no copy
+        if src.strides[-1] != 4:
+            src = np.ascontiguousarray(src)
+        out = np.empty(x.shape, np.float32)
+        kernels.lmsp_rope(
+            src.ctypes.data, out.ctypes.data, b, heads, length, dim, *(st // 4 for st in src.strides[:3]),
+            dims, cos.ctypes.data, sin.ctypes.data,
+        )
+        return mx.array(out)
 
 
 @lru_cache(maxsize=16)
@@ -87,7 +114,7 @@ def _grouped_mask(mask: mx.array, heads: int, kv_heads: int) -> np.ndarray:
 
 
 def prefill_attention(queries, keys, values, scale: float, mask) -> mx.array:
-    """Grouped-query softmax attention; shapes as mx.fast.scaled_dot_product_attention.
+    """Grouped-query softmax attention with any mask; shapes as mx.fast.scaled_dot_product_attention.
 
     All of it runs in numpy: q, k and v (small) are copied in and the output copied back,
     instead of the large score matrix going both ways; numpy's matmul is the same OpenBLAS."""
@@ -122,12 +149,15 @@ def scaled_dot_product_attention(queries, keys, values, cache, scale: float, mas
     """mlx-lm's `models.base.scaled_dot_product_attention`, with numpy's softmax for prefill."""
     plain = not hasattr(cache, "bits") and sinks is None and queries.dtype == mx.float32
     if plain and queries.shape[2] > 1:
+        if mask == "causal" and cpu_blas.fused_kernels() is not None:
+            return causal_attention(queries, keys, values, scale)
         return prefill_attention(queries, keys, values, scale, mask)
     return base.scaled_dot_product_attention(queries, keys, values, cache, scale, mask, sinks)
 
 
 def install(model: nn.Module) -> list[str]:
-    """Point the model's module at the fast ops; returns the names it replaced."""
+    """Point the model's module at the fast ops and wrap its plain RoPE layers; returns
+    the names it replaced."""
     swaps = {
         "swiglu": (activations.swiglu, swiglu),
         "scaled_dot_product_attention": (base.scaled_dot_product_attention, scaled_dot_product_attention),
@@ -138,4 +168,9 @@ def install(model: nn.Module) -> list[str]:
         if getattr(module, name, None) is original:
             setattr(module, name, fast)
             replaced.append(name)
+    ropes = [m for _, m in model.named_modules() if type(getattr(m, "rope", None)) is nn.RoPE and not m.rope.traditional]
+    for m in ropes:
+        m.rope = FusedRoPE(m.rope)
+    if ropes:
+        replaced.append("rope")
     return replaced
