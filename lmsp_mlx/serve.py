@@ -13,7 +13,8 @@ from pathlib import Path
 
 from .engine.loader import ModelLoadError
 from .engine.model_store import DEFAULT_MODEL, ModelStoreError, default_models_dir, ensure_packaged_model
-from .engine.worker import Engine
+from .cache.pool import Policy
+from .engine.worker import CacheSettings, Engine
 from .server.state import ServerSettings
 
 log = logging.getLogger("lmsp_mlx")
@@ -32,8 +33,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--prefill-chunk", type=int, help="prefill chunk in tokens; cancellation is checked between chunks")
     p.add_argument("--max-body-mb", type=float, default=16.0, help="largest request body in MiB (default 16)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    kv = p.add_argument_group("KV cache")
+    kv.add_argument("--kv-memory-mb", type=float, default=2048, help="resident KV sessions, in MiB (default 2048)")
+    kv.add_argument("--kv-disk-dir", type=Path, help="where KV checkpoints go (default: under the user's cache dir)")
+    kv.add_argument("--no-kv-disk", action="store_true", help="keep KV state in memory only")
+    kv.add_argument("--kv-disk-space-mb", type=float, default=4096, help="disk budget for checkpoints, in MiB (default 4096)")
+    kv.add_argument("--kv-checkpoint-min-tokens", type=int, default=512,
+                    help="checkpoint after prefilling at least this many new tokens (default 512)")
+    kv.add_argument("--kv-checkpoint-every", type=int, default=2048,
+                    help="checkpoint again once a session grew by this many tokens (default 2048)")
     args = p.parse_args(argv)
-    for name in ("ctx", "max_queue", "prefill_chunk", "max_body_mb"):
+    for name in ("ctx", "max_queue", "prefill_chunk", "max_body_mb", "kv_memory_mb", "kv_disk_space_mb",
+                 "kv_checkpoint_min_tokens", "kv_checkpoint_every"):
         value = getattr(args, name)
         if value is not None and value <= 0:
             p.error(f"--{name.replace('_', '-')} must be positive")
@@ -79,6 +90,18 @@ async def _serve(app, engine: Engine, host: str, port: int) -> None:
     await serve(app, config, shutdown_trigger=shutdown)
 
 
+def _cache_settings(args: argparse.Namespace) -> CacheSettings:
+    from platformdirs import user_cache_dir
+
+    policy = Policy(
+        memory_bytes=int(args.kv_memory_mb * 2**20),
+        checkpoint_min_tokens=args.kv_checkpoint_min_tokens,
+        checkpoint_every=args.kv_checkpoint_every,
+    )
+    disk = None if args.no_kv_disk else (args.kv_disk_dir or Path(user_cache_dir("lmsp-mlx")) / "kv")
+    return CacheSettings(policy=policy, disk_dir=disk, disk_bytes=int(args.kv_disk_space_mb * 2**20))
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(
@@ -95,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
             model_path = args.model.expanduser()
             if not model_path.exists() and args.models_dir and (args.models_dir / args.model).exists():
                 model_path = args.models_dir / args.model
-        engine = Engine(model_path, ctx=args.ctx, max_queue=args.max_queue, model_id=args.model_id)
+        engine = Engine(model_path, ctx=args.ctx, max_queue=args.max_queue, model_id=args.model_id, cache=_cache_settings(args))
         lm = engine.start()
     except (ModelStoreError, ModelLoadError) as exc:
         return _fail(str(exc))

@@ -34,6 +34,9 @@ class Server:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
+        if "--kv-disk-dir" not in args and "--no-kv-disk" not in args:  # never the user's cache dir
+            args = [*args, "--kv-disk-dir", str(log_path.parent / "kv")]
+        self.args = args
         self._log = open(log_path, "w")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "lmsp_mlx.serve", "--port", str(self.port), *args],

@@ -24,12 +24,22 @@ CHATML = (
 )
 
 
-def write_tokenizer(out: Path) -> int:
+# Like Qwen3's template: earlier assistant turns lose their <think> block when replayed.
+REASONING_CHATML = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+    "{% if message['role'] == 'assistant' %}{{ message['content'].split('</think>')[-1].lstrip('\n') }}"
+    "{% else %}{{ message['content'] }}{% endif %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+THINK = ["<think>", "</think>"]
+
+
+def write_tokenizer(out: Path, specials: list[str] = SPECIALS, template: str = CHATML) -> int:
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
     byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     alphabet = pre_tokenizers.ByteLevel.alphabet()
-    vocab = {t: i for i, t in enumerate(SPECIALS + sorted(alphabet))}
+    vocab = {t: i for i, t in enumerate(specials + sorted(alphabet))}
     # A few merges so that multi-byte pieces and word pieces exist.
     merges = [("Ġ", "t"), ("h", "e"), ("Ġt", "he"), ("i", "n"), ("Ã", "©")]
     for a, b in merges:
@@ -37,7 +47,7 @@ def write_tokenizer(out: Path) -> int:
     tok = Tokenizer(models.BPE(vocab=vocab, merges=merges))
     tok.pre_tokenizer = byte_level
     tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIALS])
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in specials])
     tok.save(str(out / "tokenizer.json"))
     (out / "tokenizer_config.json").write_text(
         json.dumps(
@@ -46,7 +56,7 @@ def write_tokenizer(out: Path) -> int:
                 "bos_token": "<|endoftext|>",
                 "eos_token": "<|im_end|>",
                 "pad_token": "<|endoftext|>",
-                "chat_template": CHATML,
+                "chat_template": template,
             }
         )
     )
@@ -59,12 +69,8 @@ def _token_id(out: Path, text: str) -> int:
     return Tokenizer.from_file(str(out / "tokenizer.json")).token_to_id(text)
 
 
-def build_tiny_model(out: Path, *, seed: int = 7, context: int = 32768) -> Path:
-    from mlx_lm.models import llama
-
-    out.mkdir(parents=True, exist_ok=True)
-    vocab_size = write_tokenizer(out)
-    config = {
+def _config(vocab_size: int, context: int) -> dict:
+    return {
         "model_type": "llama",
         "hidden_size": 64,
         "num_hidden_layers": 2,
@@ -78,12 +84,59 @@ def build_tiny_model(out: Path, *, seed: int = 7, context: int = 32768) -> Path:
         "tie_word_embeddings": False,
         "eos_token_id": 2,
     }
+
+
+def build_tiny_model(out: Path, *, seed: int = 7, context: int = 32768) -> Path:
+    from mlx_lm.models import llama
+
+    out.mkdir(parents=True, exist_ok=True)
+    config = _config(write_tokenizer(out), context)
     mx.random.seed(seed)
     model = llama.Model(llama.ModelArgs.from_dict(config))
     # Large output weights make the random logits decisive, so greedy decoding is stable.
     head = mx.random.normal(model.lm_head.weight.shape) * 2.0
     q = model.model.embed_tokens.weight[_token_id(out, "Q")]
     head[2] = 2.0 * q / mx.sqrt((q * q).mean())  # <|im_end|> follows "Q"
+    model.lm_head.weight = head
+    mx.save_safetensors(str(out / "model.safetensors"), dict(tree_flatten(model.parameters())))
+    (out / "config.json").write_text(json.dumps(config))
+    return out
+
+
+# What the scripted model says after any "\n" (byte-level "Ċ", so right after "<|im_start|>assistant\n"):
+# hidden reasoning " the", then "OK". " the" is sampled as three tokens (Ġt, h, e) where a
+# fresh tokenization has one (Ġthe): the BPE boundary case.
+SCRIPT = ["Ċ", "<think>", "Ġt", "h", "e", "</think>", "O", "K", "<|im_end|>"]
+SCRIPTED_REPLY = "<think> the</think>OK"
+
+
+def build_scripted_model(out: Path, *, seed: int = 11, context: int = 32768) -> Path:
+    """A tiny llama whose greedy output is SCRIPT, whatever came before.
+
+    Its layers add nothing to the residual stream (zero output projections), so the last
+    token alone picks the next one: each token's embedding has a constant first feature
+    (a baseline that makes <|im_end|> the default) and the output head maps each SCRIPT
+    token's embedding to its successor. The attention layers still compute and cache K/V,
+    so every KV path runs as with any model."""
+    from mlx_lm.models import llama
+    from tokenizers import Tokenizer
+
+    out.mkdir(parents=True, exist_ok=True)
+    config = _config(write_tokenizer(out, SPECIALS + THINK, REASONING_CHATML), context)
+    mx.random.seed(seed)
+    model = llama.Model(llama.ModelArgs.from_dict(config))
+    vocab = Tokenizer.from_file(str(out / "tokenizer.json")).get_vocab()
+    emb = mx.random.normal(model.model.embed_tokens.weight.shape)
+    emb[:, 0] = 3.0
+    model.model.embed_tokens.weight = emb
+    for layer in model.model.layers:
+        layer.self_attn.o_proj.weight = mx.zeros_like(layer.self_attn.o_proj.weight)
+        layer.mlp.down_proj.weight = mx.zeros_like(layer.mlp.down_proj.weight)
+    head = mx.zeros(model.lm_head.weight.shape)
+    head[vocab["<|im_end|>"], 0] = 1.0
+    for a, b in zip(SCRIPT, SCRIPT[1:]):
+        e = emb[vocab[a]] * (mx.arange(emb.shape[1]) > 0)
+        head[vocab[b]] += 4.0 * e / mx.sqrt((e * e).sum())
     model.lm_head.weight = head
     mx.save_safetensors(str(out / "model.safetensors"), dict(tree_flatten(model.parameters())))
     (out / "config.json").write_text(json.dumps(config))

@@ -37,11 +37,12 @@ class Cancelled(Exception):
 
 @dataclass
 class GenerationParams:
-    prompt: list[int]
+    prompt: list[int]  # everything the KV holds before decoding, the cached part included
     max_tokens: int
     temperature: float = 1.0
     top_p: float = 1.0
     prefill_step: int = 256
+    cached: int = 0  # leading prompt tokens already in the cache passed to generate()
 
 
 def prefill(lm: LoadedModel, tokens: list[int], cache: list, step: int, check: Callable[[int, int], None]) -> None:
@@ -80,22 +81,29 @@ def generate(
     params: GenerationParams,
     emit: Callable[[GenerationEvent], None],
     cancelled: Callable[[], bool],
+    cache: list | None = None,
+    sampled: list[int] | None = None,
 ) -> Finished:
+    """Prefill `params.prompt` after its cached part into `cache` (a new one if None), then
+    decode. Every sampled token, end-of-turn included, is appended to `sampled`."""
+    sampled = [] if sampled is None else sampled
+
     def check(done: int, total: int) -> None:
         if cancelled():
-            raise Cancelled(prefilled=done)
+            raise Cancelled(prefilled=params.cached + done)
         if total >= LONG_PREFILL and 0 < done < total:
             log.info("prefill %d/%d tokens", done, total)
 
     start = perf_counter()
-    cache = make_prompt_cache(lm.model)
-    prefill(lm, params.prompt[:-1], cache, params.prefill_step, check)
+    cache = make_prompt_cache(lm.model) if cache is None else cache
+    prefill(lm, params.prompt[params.cached : -1], cache, params.prefill_step, check)
     sampler = make_sampler(temp=params.temperature, top_p=params.top_p if params.top_p < 1 else 0.0)
     detokenizer = lm.tokenizer.detokenizer
     first = None
     reason = "length"
     produced = 0
     for token in sample_tokens(lm, params.prompt[-1], cache, sampler, params.max_tokens):
+        sampled.append(token)
         if first is None:
             first = perf_counter()
         if token in lm.eos_token_ids:
@@ -115,7 +123,7 @@ def generate(
     prompt_len = len(params.prompt)
     return Finished(
         reason=reason,
-        usage=Usage(input_tokens=prompt_len, output_tokens=produced),
-        prefill_tps=prompt_len / max(first - start, 1e-9),
+        usage=Usage(input_tokens=prompt_len, output_tokens=produced, cached_tokens=params.cached),
+        prefill_tps=(prompt_len - params.cached) / max(first - start, 1e-9),
         decode_tps=(produced - 1) / (end - first) if produced > 1 and end > first else 0.0,
     )

@@ -7,6 +7,7 @@ load time; the model listing reports which.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 from dataclasses import dataclass, field
@@ -36,6 +37,7 @@ class LoadedModel:
     backend: str
     capabilities: tuple[str, ...] = CAPABILITIES
     eos_token_ids: frozenset[int] = field(default_factory=frozenset)
+    fingerprint: str = ""  # what KV checkpoints are tied to: weights, config, runtime dtype
 
     def describe(self) -> dict[str, Any]:
         doc = {
@@ -98,6 +100,25 @@ def _to_float32(model: nn.Module) -> None:
     mx.eval(model.parameters())
 
 
+def fingerprint(path: Path, runtime: str) -> str:
+    """A hash that changes when the weights, the config or the runtime dtype change.
+
+    Hashing every byte of a 20 GB model would add minutes to each start, so each weights
+    file contributes its name, size, safetensors header (names, shapes, dtypes, offsets)
+    and its first and last MiB."""
+    h = hashlib.sha256()
+    h.update((path / "config.json").read_bytes())
+    h.update(runtime.encode())
+    for f in sorted(path.glob("*.safetensors")):
+        size = f.stat().st_size
+        h.update(f"{f.name}:{size}".encode())
+        with open(f, "rb") as fh:
+            h.update(fh.read(1 << 20))
+            fh.seek(max(0, size - (1 << 20)))
+            h.update(fh.read(1 << 20))
+    return h.hexdigest()
+
+
 def _describe_quantization(config: dict) -> str:
     q = config.get("quantization")
     if not q:
@@ -141,4 +162,5 @@ def load_model(path: Path, *, model_id: str | None = None, ctx: int | None = Non
         quantization=quantization,
         backend=backend,
         eos_token_ids=frozenset(eos),
+        fingerprint=fingerprint(path, f"{backend}:{quantization}"),
     )

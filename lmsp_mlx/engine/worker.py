@@ -1,8 +1,10 @@
 """The one worker thread that owns the model.
 
-MLX arrays and the model live on this thread only: it loads the model, then runs queued
-jobs one at a time. Requests talk to it through `Job`s: a bounded queue in, an asyncio
-queue of `GenerationEvent`s out (handed over with `call_soon_threadsafe`).
+MLX arrays, the model and the KV sessions live on this thread only: it loads the model,
+then runs queued jobs one at a time, each starting from the KV state the session pool picks
+(lmsp_mlx/cache). Requests talk to it through `Job`s: a bounded queue in, an asyncio queue
+of `GenerationEvent`s out (handed over with `call_soon_threadsafe`). On stop it checkpoints
+the resident sessions.
 """
 
 from __future__ import annotations
@@ -11,13 +13,16 @@ import asyncio
 import logging
 import queue
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from ..cache.disk import CheckpointStore
+from ..cache.pool import Policy, SessionPool
 from ..protocol.problems import Problem
-from .events import Failed, Finished, GenerationEvent, Usage
+from .events import Failed, Finished, GenerationEvent, TextDelta, Usage
 from .generate import Cancelled, GenerationParams, generate
 from .loader import LoadedModel, load_model
+from .render import turn_binding
 
 log = logging.getLogger("lmsp_mlx.engine")
 
@@ -27,6 +32,8 @@ class Job:
     params: GenerationParams
     route: str
     loop: asyncio.AbstractEventLoop
+    text: str = ""  # the rendered prompt: what text-prefix lookups compare
+    messages: list[dict] = field(default_factory=list)  # for the turn's visible transcript
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     _cancel: threading.Event = field(default_factory=threading.Event)
 
@@ -65,11 +72,21 @@ class Counters:
     output_tokens: int = 0
 
 
+@dataclass(frozen=True)
+class CacheSettings:
+    policy: Policy = Policy()
+    disk_dir: Path | None = None  # None: no checkpoints on disk
+    disk_bytes: int = 4096 * 2**20
+
+
 class Engine:
-    def __init__(self, model_path: Path, *, ctx: int | None, max_queue: int, model_id: str | None = None):
+    def __init__(self, model_path: Path, *, ctx: int | None, max_queue: int, model_id: str | None = None,
+                 cache: CacheSettings = CacheSettings()):
         self._path = model_path
         self._ctx = ctx
         self._model_id = model_id
+        self._cache_settings = cache
+        self.pool: SessionPool | None = None
         self._jobs: queue.Queue[Job | None] = queue.Queue(maxsize=max_queue)
         self._ready = threading.Event()
         self._error: Exception | None = None
@@ -103,7 +120,7 @@ class Engine:
             return
         self.cancel_all()
         self._jobs.put(None)
-        self._thread.join(timeout=30)
+        self._thread.join(timeout=300)  # it checkpoints the resident sessions before ending
 
     @property
     def queued(self) -> int:
@@ -113,8 +130,8 @@ class Engine:
     def busy(self) -> bool:
         return self._current is not None
 
-    def submit(self, params: GenerationParams, route: str) -> Job:
-        job = Job(params=params, route=route, loop=asyncio.get_running_loop())
+    def submit(self, params: GenerationParams, route: str, text: str = "", messages: list[dict] | None = None) -> Job:
+        job = Job(params=params, route=route, loop=asyncio.get_running_loop(), text=text, messages=messages or [])
         try:
             self._jobs.put_nowait(job)
         except queue.Full:
@@ -128,6 +145,7 @@ class Engine:
     def _run(self) -> None:
         try:
             self.model = load_model(self._path, model_id=self._model_id, ctx=self._ctx)
+            self.pool = self._make_pool(self.model)
         except Exception as exc:
             self._error = exc
             return
@@ -137,26 +155,57 @@ class Engine:
             self._current = job
             self._run_job(job)
             self._current = None
+        self.pool.persist_all()
+
+    def _make_pool(self, lm: LoadedModel) -> SessionPool:
+        cs = self._cache_settings
+        disk = None
+        if cs.disk_dir is not None:
+            try:
+                disk = CheckpointStore(cs.disk_dir, lm.fingerprint, cs.disk_bytes)
+            except OSError as exc:
+                log.warning("kv disk %s unusable (%s): checkpoints are off", cs.disk_dir, exc)
+        return SessionPool(lm.model, lm.tokenizer, cs.policy, disk)
 
     def _run_job(self, job: Job) -> None:
-        lm = self.model
-        assert lm is not None
-        prompt_len = len(job.params.prompt)
-        extra = ""
+        lm, pool = self.model, self.pool
+        assert lm is not None and pool is not None
+        if job.cancelled:
+            n = len(job.params.prompt)
+            job.emit(Finished("cancelled", Usage(n, 0)))
+            self._log(job, lm, "cancelled", Usage(n, 0), 0.0, 0.0, f" prefilled=0/{n}")
+            return
+        start = pool.start(job.text, job.params.prompt, limit=lm.context_length - 1)
+        params = replace(
+            job.params, prompt=start.tokens, cached=start.cached,
+            max_tokens=min(job.params.max_tokens, lm.context_length - len(start.tokens)),
+        )
+        reply: list[str] = []
+        sampled: list[int] = []
+
+        def emit(event: GenerationEvent) -> None:
+            if isinstance(event, TextDelta):
+                reply.append(event.text)
+            job.emit(event)
+
+        prompt_len, extra, binding = len(start.tokens), "", None
         try:
-            if job.cancelled:
-                raise Cancelled
-            done = generate(lm, job.params, job.emit, lambda: job.cancelled)
+            done = generate(lm, params, emit, lambda: job.cancelled, cache=start.session.cache, sampled=sampled)
         except Cancelled as stop:
-            done = Finished("cancelled", Usage(prompt_len, stop.produced))
+            done = Finished("cancelled", Usage(prompt_len, stop.produced, start.cached))
             extra = f" prefilled={stop.prefilled}/{prompt_len}"
         except Exception as exc:  # the request fails, the worker keeps serving
             log.exception("generation failed")
+            pool.finish(start, sampled, ok=False, binding=None)
             job.emit(Failed(f"generation failed: {type(exc).__name__}: {exc}"))
             self._log(job, lm, "failed", Usage(prompt_len, 0), 0.0, 0.0)
             return
         job.emit(done)
+        if done.reason != "cancelled" and job.messages:
+            ended = lm.tokenizer.decode(sampled[-1:]) if done.reason == "stop" else ""
+            binding = turn_binding(lm.tokenizer, job.messages, "".join(reply), ended)
         self._log(job, lm, _STATUS[done.reason], done.usage, done.prefill_tps, done.decode_tps, extra)
+        pool.finish(start, sampled, ok=True, binding=binding)
 
     def _log(self, job: Job, lm: LoadedModel, status: str, usage: Usage, prefill: float, decode: float, extra: str = "") -> None:
         c = self.counters
@@ -164,6 +213,7 @@ class Engine:
         c.prompt_tokens += usage.input_tokens
         c.output_tokens += usage.output_tokens
         log.info(
-            "request route=%s model=%s prompt_tokens=%d output_tokens=%d prefill_tps=%.1f decode_tps=%.1f status=%s%s",
-            job.route, lm.id, usage.input_tokens, usage.output_tokens, prefill, decode, status, extra,
+            "request route=%s model=%s prompt_tokens=%d cached_tokens=%d output_tokens=%d prefill_tps=%.1f "
+            "decode_tps=%.1f status=%s%s",
+            job.route, lm.id, usage.input_tokens, usage.cached_tokens, usage.output_tokens, prefill, decode, status, extra,
         )

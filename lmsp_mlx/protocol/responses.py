@@ -21,10 +21,15 @@ class MessageOutput(BaseModel):
     content: list[OutputTextPart]
 
 
+class InputTokensDetails(BaseModel):
+    cached_tokens: int = 0  # prompt tokens whose KV state was reused, not prefilled
+
+
 class ResponseUsage(BaseModel):
     input_tokens: int
     output_tokens: int
     total_tokens: int
+    input_tokens_details: InputTokensDetails = InputTokensDetails()
 
 
 class IncompleteDetails(BaseModel):
@@ -65,11 +70,7 @@ def v1_response(resp: ResponseObject, request: Any, completed_at: int | None) ->
     ]
     usage = None
     if resp.usage is not None:
-        usage = {
-            **resp.usage.model_dump(),
-            "input_tokens_details": {"cached_tokens": 0},
-            "output_tokens_details": {"reasoning_tokens": 0},
-        }
+        usage = {**resp.usage.model_dump(), "output_tokens_details": {"reasoning_tokens": 0}}
     error = None
     if resp.error is not None:
         error = {"code": resp.error.get("code", "server_error"), "message": resp.error.get("detail", "")}

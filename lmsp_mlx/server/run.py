@@ -20,6 +20,7 @@ from ..protocol.problems import Problem
 from ..protocol.requests import ResponsesRequest
 from ..protocol.responses import (
     IncompleteDetails,
+    InputTokensDetails,
     MessageOutput,
     OutputTextPart,
     ResponseObject,
@@ -100,7 +101,7 @@ class ResponseRun:
             top_p=1.0 if self.req.top_p is None else self.req.top_p,
             prefill_step=self.prefill_step,
         )
-        self.job = self.engine.submit(params, self.route)
+        self.job = self.engine.submit(params, self.route, text=prompt.text, messages=messages)
 
     async def deltas(self) -> AsyncIterator[str]:
         """The text pieces as the worker produces them; the final state is set at the end."""
@@ -111,7 +112,8 @@ class ResponseRun:
             elif isinstance(event, Finished):
                 u = event.usage
                 self.usage = ResponseUsage(
-                    input_tokens=u.input_tokens, output_tokens=u.output_tokens, total_tokens=u.total_tokens
+                    input_tokens=u.input_tokens, output_tokens=u.output_tokens, total_tokens=u.total_tokens,
+                    input_tokens_details=InputTokensDetails(cached_tokens=u.cached_tokens),
                 )
                 if event.reason == "length":
                     self.status = "incomplete"

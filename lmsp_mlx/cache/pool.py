@@ -1,0 +1,204 @@
+"""The resident sessions and the one lookup order that picks where a request starts.
+
+For each request, in this order (the first that applies wins, except that a later kind
+is taken when it reuses more tokens than a trimmed token prefix):
+
+1. `visible`: a session's binding key (the visible transcript of its last turn) is a prefix
+   of the request's rendered text. The KV, with any hidden reasoning the client did not
+   replay, is continued; only the binding's tail and the new text are prefilled.
+2. `token`: a session's tokens are a prefix of the request's tokens (exact), or share a
+   common prefix with them (the prefix is copied, the session stays for its own client).
+3. `text`: a session's text (or its last prompt's text) is a prefix of the request's text.
+   The live tokens are kept and only the new text is tokenized: BPE may merge across the
+   boundary differently in a fresh tokenization, so token matching alone would stop short.
+4. `disk`: the checkpoint with the longest key that is a prefix of the request's text,
+   when it holds more tokens than the best of 2-3.
+5. `cold`: a new session.
+
+Each decision is logged as one line: `cache_source=<kind> cached=<N> prompt=<M>`.
+Sessions are bounded by bytes (`--kv-memory-mb`); the least recently used go first, to
+disk when the policy says so.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+from mlx_lm.models.cache import make_prompt_cache
+
+from .disk import CheckpointStore
+from .session import Binding, Session
+
+log = logging.getLogger("lmsp_mlx.cache")
+
+
+@dataclass(frozen=True)
+class Policy:
+    memory_bytes: int = 2048 * 2**20
+    checkpoint_min_tokens: int = 512  # checkpoint after prefilling at least this many new tokens
+    checkpoint_every: int = 2048  # ... or once the context grew this much since the last one
+    checkpoint_on_evict: bool = True
+    checkpoint_on_shutdown: bool = True
+
+
+@dataclass
+class Start:
+    session: Session
+    source: str  # visible | token | text | disk | cold
+    cached: int  # tokens already in the KV
+    tokens: list[int]  # what the KV holds once the prompt is prefilled: cached + suffix
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+class SessionPool:
+    def __init__(self, model, tokenizer, policy: Policy, disk: CheckpointStore | None = None) -> None:
+        self.model = model
+        self.tokenizer = tokenizer
+        self.policy = policy
+        self.disk = disk
+        self.sessions: list[Session] = []
+
+    def _encode(self, text: str) -> list[int]:
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def _decode(self, tokens: list[int]) -> str:
+        return self.tokenizer.decode(tokens)
+
+    # -- lookup ---------------------------------------------------------------------------
+
+    def start(self, text: str, tokens: list[int], limit: int) -> Start:
+        """Where the request with rendered `text` and `tokens` starts; `limit` is the most
+        tokens the KV may hold before decoding (the context minus one)."""
+        start = self._lookup(text, tokens, limit)
+        if start.session not in self.sessions:
+            self.sessions.append(start.session)
+        start.session.last_used = time.monotonic()
+        log.info("cache_source=%s cached=%d prompt=%d", start.source, start.cached, len(start.tokens))
+        return start
+
+    def _lookup(self, text: str, tokens: list[int], limit: int) -> Start:
+        n = len(tokens)
+        visible = [s for s in self.sessions if s.binding and text.startswith(s.binding.key) and len(text) > len(s.binding.key)]
+        if visible:
+            s = max(visible, key=lambda s: len(s.binding.key))
+            full = s.tokens + self._encode(s.binding.tail + text[len(s.binding.key):])
+            if len(full) <= limit:
+                return Start(s, "visible", len(s.tokens), full)
+
+        exact = [s for s in self.sessions if 0 < len(s.tokens) < n and tokens[: len(s.tokens)] == s.tokens]
+        if exact:
+            s = max(exact, key=lambda s: len(s.tokens))
+            return Start(s, "token", len(s.tokens), tokens)
+
+        best: Start | None = None
+        for s in self.sessions:  # rendered-text prefix: the whole session, or its last prompt
+            for part_text, part_tokens in ((s.text, len(s.tokens)), (s.prompt_text, s.prompt_tokens)):
+                if part_tokens and len(text) > len(part_text) and text.startswith(part_text):
+                    full = s.tokens[:part_tokens] + self._encode(text[len(part_text):])
+                    if len(full) <= limit and (best is None or part_tokens > best.cached):
+                        best = Start(s, "text", part_tokens, full)
+                    break
+        partial = max(((common_prefix(s.tokens, tokens), s) for s in self.sessions), default=(0, None), key=lambda p: p[0])
+        if partial[0] > 0 and (best is None or min(partial[0], n - 1) > best.cached):
+            best = Start(partial[1], "token", min(partial[0], n - 1), tokens)
+
+        if self.disk is not None:
+            entry = self.disk.find(text, longer_than=best.cached if best else 0)
+            if entry is not None:
+                session = self.disk.load(entry, text[: entry.key_chars])
+                if session is not None:
+                    log.info("kv disk: restored %s (%d tokens, %s)", entry.path.name, entry.tokens, entry.kind)
+                    if session.binding is not None:
+                        full = session.tokens + self._encode(session.binding.tail + text[entry.key_chars:])
+                    else:
+                        full = session.tokens + self._encode(text[entry.key_chars:])
+                    if len(full) <= limit:
+                        return Start(session, "disk", len(session.tokens), full)
+
+        if best is not None:
+            return self._take(best)
+        return Start(Session(cache=make_prompt_cache(self.model)), "cold", 0, tokens)
+
+    def _take(self, start: Start) -> Start:
+        """Cut the chosen session to the reused prefix: in place when the whole session is
+        reused, otherwise a copy of the prefix, so the session stays for its own client."""
+        s = start.session
+        if start.cached == len(s.tokens):
+            return start
+        branch = s.prefix(start.cached)
+        if branch is None:  # cannot be trimmed and no snapshot early enough
+            return Start(Session(cache=make_prompt_cache(self.model)), "cold", 0, start.tokens)
+        # A snapshot may sit before the common prefix; start.tokens begins with its tokens.
+        return Start(branch, start.source, len(branch.tokens), start.tokens)
+
+    # -- after the turn -------------------------------------------------------------------
+
+    def finish(self, start: Start, generated: list[int], ok: bool, binding: Binding | None) -> None:
+        """Record what the KV now holds, snapshot, checkpoint and stay within the budget.
+
+        `generated` are the sampled tokens in order (the KV holds those that were fed back);
+        `ok` is False when generation failed and the KV cannot be trusted."""
+        s = start.session
+        if not ok:
+            self._drop(s)
+            return
+        full = start.tokens + generated
+        held = s.positions()
+        if held > len(full) and not s.cut(len(full)):  # positions whose tokens are unknown
+            self._drop(s)
+            return
+        s.tokens = full[: min(held, len(full))]
+        s.prompt_tokens = min(len(start.tokens), len(s.tokens))
+        s.prompt_text = self._decode(s.tokens[: s.prompt_tokens])
+        s.text = self._decode(s.tokens)
+        s.binding = binding if len(s.tokens) == len(full) else None
+        s.last_used = time.monotonic()
+        s.snapshot()
+        new = len(start.tokens) - start.cached
+        grown = len(s.tokens) - s.saved_tokens
+        if new >= self.policy.checkpoint_min_tokens or grown >= self.policy.checkpoint_every:
+            self.checkpoint(s, "prefill" if new >= self.policy.checkpoint_min_tokens else "growth")
+        self._enforce_budget(keep=s)
+
+    def checkpoint(self, s: Session, reason: str) -> None:
+        if self.disk is None or not s.tokens:
+            return
+        kind, key, tail = ("visible", s.binding.key, s.binding.tail) if s.binding else ("token", s.text, "")
+        began = time.perf_counter()
+        try:
+            path = self.disk.save(s, kind, key, tail)
+        except Exception as exc:  # a full disk must not fail the request that triggered it
+            log.warning("kv disk: checkpoint failed: %s: %s", type(exc).__name__, exc)
+            return
+        log.info("kv checkpoint reason=%s kind=%s tokens=%d file=%s in %.2fs",
+                 reason, kind, len(s.tokens), path.name, time.perf_counter() - began)
+
+    def _drop(self, s: Session) -> None:
+        if s in self.sessions:
+            self.sessions.remove(s)
+
+    def _enforce_budget(self, keep: Session) -> None:
+        while sum(s.nbytes for s in self.sessions) > self.policy.memory_bytes and len(self.sessions) > 1:
+            victim = min((s for s in self.sessions if s is not keep), key=lambda s: s.last_used)
+            if self.policy.checkpoint_on_evict and len(victim.tokens) > victim.saved_tokens \
+                    and len(victim.tokens) >= self.policy.checkpoint_min_tokens:
+                self.checkpoint(victim, "evict")
+            log.info("kv memory: evicting a session of %d tokens (%.1f MiB)", len(victim.tokens), victim.nbytes / 2**20)
+            self._drop(victim)
+
+    def persist_all(self) -> None:
+        """Shutdown: every resident session not yet on disk is checkpointed."""
+        if self.disk is None or not self.policy.checkpoint_on_shutdown:
+            return
+        for s in self.sessions:
+            if len(s.tokens) > s.saved_tokens:
+                self.checkpoint(s, "shutdown")

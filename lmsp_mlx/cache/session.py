@@ -1,0 +1,137 @@
+"""A resident KV session: mlx-lm's per-layer cache objects and the tokens they hold.
+
+MLX arrays are values, but `KVCache` writes new positions with slice assignment, which
+updates the array object in place: a copy that must not change (a snapshot, a branch) holds
+its own array objects (`mx.array(a)`), never the live ones.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import mlx.core as mx
+from mlx.utils import tree_flatten, tree_map
+from mlx_lm.models import cache as mlx_cache
+
+
+@dataclass(frozen=True)
+class Binding:
+    """How a client's replay of this session's last turn continues it.
+
+    `key` is the visible transcript through the end of the assistant turn as the chat
+    template renders it when the client replays the turn (hidden reasoning dropped where
+    the template drops it), up to where the next turn's own text starts. `tail` is the text
+    the KV still lacks to reach the end of `key` (the turn's closing markup)."""
+
+    key: str
+    tail: str
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """A cache's state at a turn boundary, for caches that cannot be trimmed."""
+
+    tokens: int
+    classes: tuple[type, ...]
+    states: tuple[Any, ...]
+
+
+def _copy_state(state: Any) -> Any:
+    return tree_map(lambda x: mx.array(x) if isinstance(x, mx.array) else x, state)
+
+
+def trimmable(cache: list) -> bool:
+    return mlx_cache.can_trim_prompt_cache(cache)
+
+
+def prefix_state(c: Any, n: int) -> Any:
+    """The state of layer cache `c` holding its first `n` positions, as new arrays.
+
+    KVCache's own `state` is its padded 256-step buffer; here the keys and values are cut
+    to `n`, which is also what a checkpoint stores."""
+    if type(c) is mlx_cache.KVCache:
+        if c.keys is None:
+            return (None, None, 0)
+        return (mx.array(c.keys[..., :n, :]), mx.array(c.values[..., :n, :]), n)
+    if type(c) is mlx_cache.QuantizedKVCache:
+        if c.keys is None:
+            return (None, None, 0, c.group_size, c.bits)
+        cut = lambda parts: tuple(mx.array(p[..., :n, :]) for p in parts)  # noqa: E731
+        return (cut(c.keys), cut(c.values), n, c.group_size, c.bits)
+    if c.size() != n:
+        raise ValueError(f"{type(c).__name__} cannot be cut to {n} positions")
+    return _copy_state(c.state)
+
+
+def restore(classes: tuple[type, ...], states: tuple[Any, ...]) -> list:
+    """Fresh cache objects from states (copied, so the source stays unchanged)."""
+    caches = []
+    for cls, state in zip(classes, states):
+        if cls is mlx_cache.QuantizedKVCache:
+            obj = cls.__new__(cls)
+            obj.keys, obj.values, obj.offset, obj.group_size, obj.bits = _copy_state(state)
+            caches.append(obj)
+        else:
+            caches.append(cls.from_state(_copy_state(state)))
+    return caches
+
+
+@dataclass
+class Session:
+    cache: list
+    tokens: list[int] = field(default_factory=list)
+    text: str = ""  # what `tokens` decode to (hidden reasoning included)
+    prompt_tokens: int = 0  # the last request's prompt: the turn boundary
+    prompt_text: str = ""
+    binding: Binding | None = None
+    snapshots: list[Snapshot] = field(default_factory=list)
+    saved_tokens: int = 0  # tokens in the newest checkpoint of this session's current line
+    last_used: float = field(default_factory=time.monotonic)
+
+    @property
+    def nbytes(self) -> int:
+        total = sum(c.nbytes for c in self.cache if not c.empty())
+        for snap in self.snapshots:
+            total += sum(a.nbytes for _, a in tree_flatten(list(snap.states)) if isinstance(a, mx.array))
+        return total
+
+    @property
+    def trimmable(self) -> bool:
+        return trimmable(self.cache)
+
+    def positions(self) -> int:
+        """Positions the cache holds (the first layer's count; all layers agree)."""
+        return self.cache[0].size() if self.cache and not self.cache[0].empty() else 0
+
+    def snapshot(self) -> None:
+        """Keep the current state as a turn boundary (only caches that cannot be trimmed)."""
+        if self.trimmable or not self.tokens:
+            return
+        states = tuple(prefix_state(c, len(self.tokens)) for c in self.cache)
+        self.snapshots.append(Snapshot(len(self.tokens), tuple(type(c) for c in self.cache), states))
+        del self.snapshots[:-4]  # the last few turns are what edits and retries go back to
+
+    def prefix(self, n: int) -> "Session | None":
+        """A new session holding the first `n` tokens, or None where no state that short
+        exists (a cache that cannot be trimmed and has no snapshot at or before `n`)."""
+        if self.trimmable:
+            classes = tuple(type(c) for c in self.cache)
+            states = tuple(prefix_state(c, n) for c in self.cache)
+        else:
+            usable = [s for s in self.snapshots if s.tokens <= n]
+            if not usable:
+                return None
+            snap = max(usable, key=lambda s: s.tokens)
+            n, classes, states = snap.tokens, snap.classes, snap.states
+        return Session(cache=restore(classes, states), tokens=self.tokens[:n])
+
+    def cut(self, n: int) -> bool:
+        """Keep only the first `n` positions in place; False if this cache cannot be trimmed."""
+        if not self.trimmable:
+            return False
+        mlx_cache.trim_prompt_cache(self.cache, self.positions() - n)
+        del self.tokens[n:]
+        self.snapshots = [s for s in self.snapshots if s.tokens <= n]
+        return True

@@ -1,0 +1,151 @@
+"""KV reuse across turns: every lookup kind, through a real server, proven by cached_tokens.
+
+`usage.input_tokens_details.cached_tokens` is what the server did not prefill; the log's
+`cache_source=` line says which lookup found it.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from pathlib import Path
+
+import httpx
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+from tiny_model import SCRIPTED_REPLY, build_scripted_model  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def scripted_dir(tmp_path_factory) -> Path:
+    return build_scripted_model(tmp_path_factory.mktemp("models") / "scripted")
+
+
+def respond(server, messages, route="/lmsp/v1/responses", model="tiny", **fields) -> dict:
+    body = {"model": model, "input": messages, "temperature": 0, "max_output_tokens": 12, **fields}
+    r = httpx.post(server.url + route, json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def reply_text(resp: dict) -> str:
+    return resp["output"][0]["content"][0]["text"]
+
+
+def cached(resp: dict) -> int:
+    return resp["usage"]["input_tokens_details"]["cached_tokens"]
+
+
+def sources(server) -> list[str]:
+    return re.findall(r"cache_source=(\w+) cached=\d+ prompt=\d+", server.log())
+
+
+def kv_after(resp: dict) -> int:
+    """Tokens the KV holds after a turn: its prompt, its output, and the end-of-turn token
+    when the model stopped by itself (that one is fed back, not counted as output)."""
+    u = resp["usage"]
+    return u["input_tokens"] + u["output_tokens"] + (resp["status"] == "completed")
+
+
+def visible_prompt(model_dir: Path, history: list[dict]) -> list[int]:
+    """The tokens of the rendered request: what a server without live KV would prefill."""
+    from lmsp_mlx.engine.render import render, to_chat_messages
+    from lmsp_mlx.protocol.requests import parse_request
+    from mlx_lm.utils import load_tokenizer
+
+    tokenizer = load_tokenizer(model_dir)
+    return render(tokenizer, to_chat_messages(parse_request({"model": "tiny", "input": history}).items())).tokens
+
+
+def user(text: str) -> dict:
+    return {"role": "user", "content": text}
+
+
+def assistant(text: str) -> dict:
+    return {"role": "assistant", "content": text}
+
+
+@pytest.fixture
+def tiny_kv(start_server, tiny_model_dir):
+    return start_server("--model", str(tiny_model_dir), "--model-id", "tiny")
+
+
+@pytest.fixture
+def scripted_kv(start_server, scripted_dir):
+    return start_server("--model", str(scripted_dir), "--model-id", "tiny")
+
+
+def test_a_replayed_conversation_prefills_only_the_new_turn(tiny_kv):
+    history = [user("Tell me about the lighthouse keepers of the northern coast. " * 4)]
+    first = respond(tiny_kv, history)
+    assert cached(first) == 0
+    for route in ("/lmsp/v1/responses", "/v1/responses"):
+        history = history + [assistant(reply_text(first)), user("And in winter?")]
+        nxt = respond(tiny_kv, history, route=route)
+        # Everything the KV held after the last turn is reused: prompt and sampled reply.
+        assert cached(nxt) == kv_after(first)
+        assert nxt["usage"]["input_tokens"] - cached(nxt) < 40  # the new turn only (bytes, mostly)
+        first = nxt
+    assert sources(tiny_kv) == ["cold", "visible", "visible"]
+    assert f"cache_source=visible cached={cached(first)} prompt={first['usage']['input_tokens']}" in tiny_kv.log()
+
+
+def test_hidden_reasoning_stays_in_the_live_kv(scripted_kv, scripted_dir):
+    history = [user("What does the lamp say?")]
+    first = respond(scripted_kv, history)
+    assert reply_text(first) == SCRIPTED_REPLY  # "<think> the</think>OK"
+    # The template drops the <think> block of earlier turns, so a replay renders only "OK"
+    # (whether the client sends the block or not); the KV continues with the reasoning.
+    for i, replayed in enumerate(("OK", SCRIPTED_REPLY)):
+        history = history + [assistant(replayed if i == 0 else reply_text(first)), user(f"Why {i}?")]
+        nxt = respond(scripted_kv, history, route="/lmsp/v1/responses" if i == 0 else "/v1/responses")
+        assert cached(nxt) == kv_after(first)
+        # A cold start would prefill the visible transcript; this KV holds 5 more tokens:
+        # <think>, " t", "h", "e", </think>.
+        assert nxt["usage"]["input_tokens"] == len(visible_prompt(scripted_dir, history)) + 5 * (i + 1)
+        first = nxt
+    assert sources(scripted_kv) == ["cold", "visible", "visible"]
+
+
+def test_a_session_without_a_reply_is_continued_by_exact_token_prefix(tiny_kv):
+    question = [user("Name three colours of the evening sky, one per line.")]
+    # With one output token the sampled token is never fed back: the KV holds the prompt.
+    first = respond(tiny_kv, question, max_output_tokens=1)
+    nxt = respond(tiny_kv, question + [assistant("Red."), user("More?")])
+    assert cached(nxt) == first["usage"]["input_tokens"]
+    assert sources(tiny_kv) == ["cold", "token"]
+
+
+def test_a_shared_prefix_is_copied_and_the_first_session_survives(tiny_kv):
+    system = {"role": "system", "content": "You are a careful archivist of river towns. " * 6}
+    a = respond(tiny_kv, [system, user("First question about bridges?")])
+    b = respond(tiny_kv, [system, user("Second question about mills?")])
+    system_tokens = cached(b)
+    assert 40 < system_tokens < b["usage"]["input_tokens"]  # the system prompt, not more
+    # A's session was not cut down to the shared prefix: its replay still continues it.
+    c = respond(tiny_kv, [system, user("First question about bridges?"), assistant(reply_text(a)), user("Go on.")])
+    assert cached(c) == kv_after(a)
+    assert sources(tiny_kv) == ["cold", "token", "visible"]
+
+
+def test_a_bpe_boundary_continues_by_text_prefix_like_a_cold_run(scripted_kv, scripted_dir):
+    question = [user("Say it.")]
+    # Cut after "<think> t": the KV ends in the token " t".
+    first = respond(scripted_kv, question, max_output_tokens=2)
+    assert reply_text(first) == "<think> t"
+    # The client continues that text; a fresh tokenization merges " the" into one token,
+    # so the token prefix stops before " t", the text prefix does not.
+    history = question + [assistant("<think> the cat"), user("Continue.")]
+    nxt = respond(scripted_kv, history)
+    assert cached(nxt) == first["usage"]["input_tokens"] + 2
+    assert sources(scripted_kv) == ["cold", "text"]
+
+    from lmsp_mlx.engine.generate import GenerationParams, generate
+    from lmsp_mlx.engine.loader import load_model
+
+    lm = load_model(scripted_dir)
+    pieces: list[str] = []
+    generate(lm, GenerationParams(prompt=visible_prompt(scripted_dir, history), max_tokens=12, temperature=0),
+             lambda e: pieces.append(getattr(e, "text", "")), lambda: False)
+    assert reply_text(nxt) == "".join(pieces)  # the same text as a cold run
