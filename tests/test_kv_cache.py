@@ -149,3 +149,40 @@ def test_a_bpe_boundary_continues_by_text_prefix_like_a_cold_run(scripted_kv, sc
     generate(lm, GenerationParams(prompt=visible_prompt(scripted_dir, history), max_tokens=12, temperature=0),
              lambda e: pieces.append(getattr(e, "text", "")), lambda: False)
     assert reply_text(nxt) == "".join(pieces)  # the same text as a cold run
+
+
+def test_a_restarted_server_resumes_from_its_shutdown_checkpoint(start_server, tiny_model_dir, tmp_path):
+    kv = ["--model", str(tiny_model_dir), "--model-id", "tiny", "--kv-disk-dir", str(tmp_path / "kv")]
+    history = [user("Describe the harbour at dawn, the boats and the nets. " * 6)]
+    before = start_server(*kv)
+    first = respond(before, history)
+    before.stop()  # SIGTERM: the live session is written out
+    assert "kv checkpoint reason=shutdown kind=visible" in before.log()
+
+    after = start_server(*kv)
+    nxt = respond(after, history + [assistant(reply_text(first)), user("And at dusk?")])
+    assert cached(nxt) == kv_after(first)
+    assert sources(after) == ["disk"]
+
+
+def test_a_long_prefill_is_checkpointed_and_evicted_sessions_come_back_from_disk(start_server, tiny_model_dir):
+    # A tiny memory budget: each new conversation pushes the previous one out (to disk).
+    server = start_server("--model", str(tiny_model_dir), "--model-id", "tiny",
+                          "--kv-memory-mb", "0.01", "--kv-checkpoint-min-tokens", "100")
+    a = [user("Alpha: the first conversation, about orchards and frost. " * 3)]
+    b = [user("Beta: the second conversation, about tides and moorings. " * 3)]
+    ra = respond(server, a)  # the reply comes first, the checkpoint right after it
+    server.wait_for_log("kv checkpoint reason=prefill kind=visible")
+    respond(server, b)
+    server.wait_for_log("kv memory: evicting a session")
+    again = respond(server, a + [assistant(reply_text(ra)), user("More?")])
+    assert cached(again) == kv_after(ra)
+    assert sources(server) == ["cold", "token", "disk"]  # b shares the template opening with a
+
+
+def test_no_kv_disk_writes_nothing(start_server, tiny_model_dir, tmp_path):
+    server = start_server("--model", str(tiny_model_dir), "--model-id", "tiny", "--no-kv-disk",
+                          "--kv-checkpoint-min-tokens", "1")
+    respond(server, [user("Nothing of this goes to disk.")])
+    server.stop()
+    assert "kv checkpoint" not in server.log() and "kv disk" not in server.log()

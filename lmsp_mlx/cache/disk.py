@@ -102,7 +102,8 @@ class CheckpointStore:
         for stale in self.dir.glob(".tmp-*"):
             stale.unlink(missing_ok=True)  # a write that never finished
         for path in sorted(self.dir.glob("*" + SUFFIX)):
-            self._index(path)
+            if not path.name.startswith("."):  # pathlib's glob matches hidden files too
+                self._index(path)
         log.info("kv disk %s: %d checkpoints, %.1f MiB", self.dir, len(self.entries), self.total / 2**20)
 
     @property

@@ -1,0 +1,220 @@
+"""The session pool and the checkpoint store in-process, on the tiny model: every cache
+path gives the logits of a cold run, and checkpoints survive only when they are sound."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import mlx.core as mx
+import pytest
+from lmsp_mlx.cache.disk import CheckpointStore, read_header
+from lmsp_mlx.cache.pool import Policy, SessionPool, Start
+from lmsp_mlx.engine.generate import GenerationParams, generate, prefill
+from lmsp_mlx.engine.loader import load_model
+from lmsp_mlx.engine.render import render, turn_binding
+
+STORY = "The ferry crossed twice a day, and the keeper wrote down every passenger. "
+
+
+@pytest.fixture(scope="module")
+def lm(tiny_model_dir):
+    return load_model(tiny_model_dir)
+
+
+def new_pool(lm, disk_dir: Path | None = None, budget: int = 2**30, **policy) -> SessionPool:
+    disk = CheckpointStore(disk_dir, lm.fingerprint, budget) if disk_dir else None
+    return SessionPool(lm.model, lm.tokenizer, Policy(**{"checkpoint_min_tokens": 10**9, **policy}), disk)
+
+
+def turn(pool: SessionPool, lm, messages: list[dict], max_tokens: int = 10) -> tuple[Start, str, int]:
+    """One request as the worker runs it: look up, generate greedily, record the turn.
+    Returns the start, the reply and how many tokens the session then holds."""
+    prompt = render(lm.tokenizer, messages)
+    start = pool.start(prompt.text, prompt.tokens, limit=lm.context_length - 1)
+    pieces, sampled = [], []
+    done = generate(
+        lm, GenerationParams(prompt=start.tokens, cached=start.cached, max_tokens=max_tokens, temperature=0),
+        lambda e: pieces.append(getattr(e, "text", "")), lambda: False, cache=start.session.cache, sampled=sampled,
+    )
+    reply = "".join(pieces)
+    ended = lm.tokenizer.decode(sampled[-1:]) if done.reason == "stop" else ""
+    pool.finish(start, sampled, ok=True, binding=turn_binding(lm.tokenizer, messages, reply, ended))
+    return start, reply, len(start.session.tokens)
+
+
+def matches_cold(pool: SessionPool, lm, messages: list[dict]) -> Start:
+    """Look up, prefill the suffix, and compare the next-token logits with a cold pass over
+    the same tokens."""
+    prompt = render(lm.tokenizer, messages)
+    start = pool.start(prompt.text, prompt.tokens, limit=lm.context_length - 1)
+    prefill(lm, start.tokens[start.cached : -1], start.session.cache, 64, lambda done, total: None)
+    got = lm.model(mx.array([start.tokens[-1:]]), cache=start.session.cache)[0, -1]
+    want = lm.model(mx.array([start.tokens]))[0, -1]
+    assert mx.abs(got - want).max().item() < 1e-3 * mx.abs(want).max().item()
+    assert mx.array_equal(mx.argmax(got), mx.argmax(want))
+    assert lm.tokenizer.decode(start.tokens) == lm.tokenizer.decode(prompt.tokens) or start.source == "visible"
+    pool.finish(start, [], ok=True, binding=None)
+    return start
+
+
+def conversation(first_reply: str) -> list[dict]:
+    return [
+        {"role": "user", "content": STORY * 3},
+        {"role": "assistant", "content": first_reply},
+        {"role": "user", "content": "Who crossed last?"},
+    ]
+
+
+def test_every_cache_path_gives_the_cold_logits(lm, tmp_path):
+    pool = new_pool(lm, tmp_path)
+    first, reply, held = turn(pool, lm, [{"role": "user", "content": STORY * 3}])
+    assert first.source == "cold"
+    pool.checkpoint(first.session, "test")
+    visible = matches_cold(pool, lm, conversation(reply))
+    assert (visible.source, visible.cached) == ("visible", held)
+
+    # exact token prefix: a session that holds only a prompt
+    pool = new_pool(lm)
+    _, _, prompt_only = turn(pool, lm, [{"role": "user", "content": STORY}], max_tokens=1)
+    exact = matches_cold(pool, lm, [{"role": "user", "content": STORY}, {"role": "assistant", "content": "x"},
+                                    {"role": "user", "content": "y"}])
+    assert (exact.source, exact.cached) == ("token", prompt_only)
+
+    # common prefix, copied: a different question after the same opening
+    partial = matches_cold(pool, lm, [{"role": "user", "content": STORY + "Different."}])
+    assert partial.source == "token" and 0 < partial.cached < prompt_only
+
+    # disk: a new pool on the same folder, as after a restart
+    restored = matches_cold(new_pool(lm, tmp_path), lm, conversation(reply))
+    assert (restored.source, restored.cached) == ("disk", held)
+
+
+def test_text_prefix_keeps_live_tokens_across_a_bpe_boundary(lm):
+    pool = new_pool(lm)
+    messages = [{"role": "user", "content": STORY}]
+    prompt = render(lm.tokenizer, messages)
+    # The live session ends in " t" + "h" + "e" as three tokens; " the" is one when fresh.
+    pieces = lm.tokenizer.encode(prompt.text, add_special_tokens=False) + [
+        lm.tokenizer.encode(" t", add_special_tokens=False)[0], *lm.tokenizer.encode("he", add_special_tokens=False)]
+    start = pool.start(prompt.text, prompt.tokens, limit=10**6)
+    prefill(lm, pieces, start.session.cache, 64, lambda d, t: None)
+    pool.finish(Start(start.session, "cold", 0, pieces), [], ok=True, binding=None)
+    text = prompt.text + " the cat sat"
+    fresh = lm.tokenizer.encode(text, add_special_tokens=False)
+    assert fresh[: len(pieces)] != pieces  # a fresh tokenization merges across the boundary
+    hit = pool.start(text, fresh, limit=10**6)
+    assert (hit.source, hit.cached) == ("text", len(pieces))
+    assert lm.tokenizer.decode(hit.tokens) == text
+
+
+def test_checkpoint_round_trip_keeps_tokens_and_state(lm, tmp_path):
+    pool = new_pool(lm, tmp_path)
+    start, _, _ = turn(pool, lm, [{"role": "user", "content": STORY * 2}])
+    session = start.session
+    pool.checkpoint(session, "test")
+    [entry] = CheckpointStore(tmp_path, lm.fingerprint, 2**30).entries.values()
+    _, meta = read_header(entry.path)
+    assert meta["format"] == "lmsp-kv-1" and meta["kind"] == "visible" and meta["model"] == lm.fingerprint
+    assert int(meta["token_count"]) == len(session.tokens)
+    loaded = CheckpointStore(tmp_path, lm.fingerprint, 2**30).load(entry, session.binding.key)
+    assert loaded.tokens == session.tokens and loaded.binding == session.binding
+    for a, b in zip(loaded.cache, session.cache):
+        ka, va = a.state[:2]
+        kb, vb = b.state[0][..., : b.offset, :], b.state[1][..., : b.offset, :]
+        assert mx.array_equal(ka[..., : a.offset, :], kb) and mx.array_equal(va[..., : a.offset, :], vb)
+
+
+def _valid_checkpoint(lm, folder: Path) -> tuple[Path, str]:
+    pool = new_pool(lm, folder)
+    start, reply, _ = turn(pool, lm, [{"role": "user", "content": STORY}])
+    pool.checkpoint(start.session, "test")
+    [path] = pool.disk.entries
+    return path, reply
+
+
+def test_bad_checkpoints_are_skipped_removed_and_never_loaded(lm, tmp_path, caplog):
+    good, _ = _valid_checkpoint(lm, tmp_path)
+    folder = good.parent
+    data = good.read_bytes()
+    (folder / "token-truncated.safetensors").write_bytes(data[: len(data) // 2])
+    (folder / "token-garbage.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00not json at all!" + data[:64])
+    foreign, _ = _valid_checkpoint(lm, tmp_path / "other")  # same model, then relabelled as another
+    foreign_bytes = foreign.read_bytes().replace(lm.fingerprint.encode(), b"f" * len(lm.fingerprint), 1)
+    (folder / "visible-foreign.safetensors").write_bytes(foreign_bytes)
+    (folder / "visible-future.safetensors").write_bytes(data.replace(b"lmsp-kv-1", b"lmsp-kv-9", 1))
+    (folder / ".tmp-interrupted.safetensors").write_bytes(data[:100])
+    with caplog.at_level(logging.WARNING, logger="lmsp_mlx.cache"):
+        store = CheckpointStore(tmp_path, lm.fingerprint, 2**30)
+    assert list(store.entries) == [good]
+    assert sorted(p.name for p in folder.iterdir()) == [good.name]
+    for why in ("truncated", "header is not JSON", "another model", "unknown format 'lmsp-kv-9'"):
+        assert why in caplog.text
+
+
+def test_a_checkpoint_that_fails_to_load_falls_back_to_cold(lm, tmp_path, caplog):
+    good, reply = _valid_checkpoint(lm, tmp_path)
+    # A complete file whose token list disagrees with its count: refused at load, not half-used.
+    arrays, meta = mx.load(str(good), return_metadata=True)
+    mx.save_safetensors(str(good), arrays, {**meta, "tokens": "[1, 2, 3]"})
+    pool = new_pool(lm, tmp_path)
+    prompt = render(lm.tokenizer, [{"role": "user", "content": STORY}, {"role": "assistant", "content": reply},
+                                   {"role": "user", "content": "y"}])
+    with caplog.at_level(logging.WARNING, logger="lmsp_mlx.cache"):
+        start = pool.start(prompt.text, prompt.tokens, limit=10**6)
+    assert (start.source, start.cached) == ("cold", 0)
+    assert not good.exists() and "layer or token count" in caplog.text
+
+
+def test_disk_budget_keeps_the_hit_and_the_newest(lm, tmp_path):
+    pool = new_pool(lm, tmp_path)
+    paths = []
+    for i in range(3):
+        start, _, _ = turn(pool, lm, [{"role": "user", "content": f"{i} " + STORY}])
+        pool.checkpoint(start.session, "test")
+        paths.append(max(pool.disk.entries, key=lambda p: p.stat().st_mtime_ns))
+        if i == 0:  # the first one is used twice
+            for _ in range(2):
+                pool.disk._touch(pool.disk.entries[paths[0]])
+    size = max(e.size for e in pool.disk.entries.values())
+    store = CheckpointStore(tmp_path, lm.fingerprint, int(size * 2.5))
+    assert store.entries[paths[0]].hits == 2  # hit counts live in the file's header
+    store.enforce_budget()
+    assert sorted(store.entries) == sorted([paths[0], paths[2]])  # the unhit middle one went
+    assert not paths[1].exists()
+
+
+WRITER = """
+import sys, lmsp_mlx, mlx.core as mx
+from pathlib import Path
+from lmsp_mlx.cache.disk import CheckpointStore
+from lmsp_mlx.cache.session import Session
+from mlx_lm.models.cache import KVCache
+cache = [KVCache() for _ in range(4)]
+for c in cache:
+    c.update_and_fetch(mx.ones((1, 4, 16384, 128)), mx.ones((1, 4, 16384, 128)))
+mx.eval([c.state for c in cache])
+store = CheckpointStore(Path(sys.argv[1]), "fp", 2**40)
+print("writing", flush=True)
+store.save(Session(cache=cache, tokens=list(range(16384))), "token", "key")
+print("written", flush=True)
+"""
+
+
+def test_a_write_killed_midway_leaves_nothing_that_loads(tmp_path):
+    proc = subprocess.Popen([sys.executable, "-c", WRITER, str(tmp_path)], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "writing"
+    folder = tmp_path / "fp"
+    deadline = time.monotonic() + 60
+    while not list(folder.glob(".tmp-*")) and time.monotonic() < deadline:
+        time.sleep(0.001)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert [p.name[:5] for p in folder.iterdir()] == [".tmp-"]  # killed while writing it
+    assert CheckpointStore(tmp_path, "fp", 2**40).entries == {}
+    assert list(folder.iterdir()) == []  # the temp file is swept at start
