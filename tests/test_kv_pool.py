@@ -27,6 +27,11 @@ def lm(tiny_model_dir):
     return load_model(tiny_model_dir)
 
 
+def checkpoint(pool: SessionPool, session) -> None:
+    pool.checkpoint(session, "test")
+    pool.disk.flush()  # written by the background writer
+
+
 def new_pool(lm, disk_dir: Path | None = None, budget: int = 2**30, **policy) -> SessionPool:
     disk = CheckpointStore(disk_dir, lm.fingerprint, budget) if disk_dir else None
     return SessionPool(lm.model, lm.tokenizer, Policy(**{"checkpoint_min_tokens": 10**9, **policy}), disk)
@@ -75,7 +80,7 @@ def test_every_cache_path_gives_the_cold_logits(lm, tmp_path):
     pool = new_pool(lm, tmp_path)
     first, reply, held = turn(pool, lm, [{"role": "user", "content": STORY * 3}])
     assert first.source == "cold"
-    pool.checkpoint(first.session, "test")
+    checkpoint(pool, first.session)
     visible = matches_cold(pool, lm, conversation(reply))
     assert (visible.source, visible.cached) == ("visible", held)
 
@@ -117,7 +122,7 @@ def test_checkpoint_round_trip_keeps_tokens_and_state(lm, tmp_path):
     pool = new_pool(lm, tmp_path)
     start, _, _ = turn(pool, lm, [{"role": "user", "content": STORY * 2}])
     session = start.session
-    pool.checkpoint(session, "test")
+    checkpoint(pool, session)
     [entry] = CheckpointStore(tmp_path, lm.fingerprint, 2**30).entries.values()
     _, meta = read_header(entry.path)
     assert meta["format"] == "lmsp-kv-1" and meta["kind"] == "visible" and meta["model"] == lm.fingerprint
@@ -133,7 +138,7 @@ def test_checkpoint_round_trip_keeps_tokens_and_state(lm, tmp_path):
 def _valid_checkpoint(lm, folder: Path) -> tuple[Path, str]:
     pool = new_pool(lm, folder)
     start, reply, _ = turn(pool, lm, [{"role": "user", "content": STORY}])
-    pool.checkpoint(start.session, "test")
+    checkpoint(pool, start.session)
     [path] = pool.disk.entries
     return path, reply
 
@@ -176,7 +181,7 @@ def test_disk_budget_keeps_the_hit_and_the_newest(lm, tmp_path):
     paths = []
     for i in range(3):
         start, _, _ = turn(pool, lm, [{"role": "user", "content": f"{i} " + STORY}])
-        pool.checkpoint(start.session, "test")
+        checkpoint(pool, start.session)
         paths.append(max(pool.disk.entries, key=lambda p: p.stat().st_mtime_ns))
         if i == 0:  # the first one is used twice
             for _ in range(2):
@@ -202,6 +207,7 @@ mx.eval([c.state for c in cache])
 store = CheckpointStore(Path(sys.argv[1]), "fp", 2**40)
 print("writing", flush=True)
 store.save(Session(cache=cache, tokens=list(range(16384))), "token", "key")
+store.flush()
 print("written", flush=True)
 """
 
@@ -218,3 +224,36 @@ def test_a_write_killed_midway_leaves_nothing_that_loads(tmp_path):
     assert [p.name[:5] for p in folder.iterdir()] == [".tmp-"]  # killed while writing it
     assert CheckpointStore(tmp_path, "fp", 2**40).entries == {}
     assert list(folder.iterdir()) == []  # the temp file is swept at start
+
+
+def test_a_sliding_window_cache_goes_back_to_its_turn_snapshot(tiny_model_dir, tmp_path):
+    from mlx_lm.models.cache import RotatingKVCache
+
+    lm = load_model(tiny_model_dir)  # its own instance: the cache factory changes below
+    lm.model.make_cache = lambda: [RotatingKVCache(max_size=64) for _ in lm.model.layers]
+    pool = new_pool(lm, tmp_path)
+    first, reply, held = turn(pool, lm, [{"role": "user", "content": STORY * 3}])
+    session = first.session
+    assert not session.trimmable  # more tokens than the 64-position window
+    assert [s.tokens for s in session.snapshots] == [held]
+    checkpoint(pool, session)
+    second, _, held2 = turn(pool, lm, conversation(reply))
+    assert second.source == "visible" and second.session is session
+
+    # A branch that shares turn 1 and a few tokens more with the session: the window
+    # cannot be trimmed back, so the request starts from the snapshot at turn 1's end.
+    tokens = session.tokens[: held + 5] + lm.tokenizer.encode("Who crossed first?", add_special_tokens=False)
+    start = pool.start(lm.tokenizer.decode(tokens) + "\ue002", tokens, limit=10**6)  # no text or disk key matches
+    assert (start.source, start.cached) == ("token", held) and held + 5 < held2
+    assert start.session is not session and start.session.positions() == held
+
+    # The window's checkpoint round-trips with its rotation state.
+    restored = new_pool(lm, tmp_path).start(*_texts(lm, conversation(reply)), limit=10**6)
+    assert (restored.source, restored.cached) == ("disk", held)
+    assert [type(c) for c in restored.session.cache] == [RotatingKVCache] * len(lm.model.layers)
+    assert restored.session.positions() == held
+
+
+def _texts(lm, messages):
+    prompt = render(lm.tokenizer, messages)
+    return prompt.text, prompt.tokens

@@ -1,6 +1,6 @@
 """KV checkpoints on disk: one `.safetensors` file per session state, found by text prefix.
 
-Format `lmsp-kv-1` (also described in docs/kv-checkpoints.md):
+Format `lmsp-kv-1` (also described in the README, "Checkpoints on disk"):
 - tensors `<layer>.<path>`: the array leaves of each layer cache's state (`KVCache`: keys
   and values cut to the valid positions), float as computed;
 - `__metadata__` (strings): `format`, `model` (the model fingerprint), `kind` (`visible`:
@@ -15,6 +15,10 @@ The file name is `<kind>-<sha256 of key>.safetensors`, in a folder per model fin
 Writes go to a hidden temp file that is renamed into place, so a crash mid-write leaves
 no file that loads (temp files are swept at start). A file that fails any check (foreign
 model, unknown format, truncated, corrupt) is removed with a warning and never loaded.
+
+Writing is off the worker's path: `save` copies the state into host memory (a memcpy)
+and a writer thread writes the file, which is plain file I/O on bytes, no MLX; an agent's
+next turn does not wait for a 100 MB checkpoint. `flush` waits for pending writes.
 """
 
 from __future__ import annotations
@@ -24,14 +28,17 @@ import json
 import logging
 import math
 import os
+import queue
 import re
 import struct
+import threading
 import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
 import mlx.core as mx
+import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 from mlx_lm.models import cache as mlx_cache
 
@@ -69,6 +76,37 @@ class Entry:
         return (1 + self.hits) * math.log2(2 + self.tokens) / (1 + idle_hours)
 
 
+# mx dtype -> (safetensors dtype, the numpy dtype its bytes are copied as)
+_DTYPES = {
+    mx.float32: ("F32", np.float32), mx.float16: ("F16", np.float16), mx.bfloat16: ("BF16", np.uint16),
+    mx.uint32: ("U32", np.uint32), mx.int32: ("I32", np.int32), mx.uint8: ("U8", np.uint8),
+    mx.int64: ("I64", np.int64), mx.uint16: ("U16", np.uint16), mx.int8: ("I8", np.int8),
+}
+
+
+def to_host(a: mx.array) -> tuple[str, np.ndarray]:
+    """The array's bytes in host memory, with its safetensors dtype (bfloat16 as raw uint16)."""
+    tag, np_dtype = _DTYPES[a.dtype]
+    return tag, np.array(a.view(mx.uint16) if a.dtype == mx.bfloat16 else a, dtype=np_dtype, copy=True)
+
+
+def write_safetensors(path: Path, tensors: dict[str, tuple[str, np.ndarray]], metadata: dict[str, str]) -> None:
+    header: dict = {"__metadata__": metadata}
+    offset = 0
+    for name, (tag, data) in tensors.items():
+        header[name] = {"dtype": tag, "shape": list(data.shape), "data_offsets": [offset, offset + data.nbytes]}
+        offset += data.nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # the format aligns the data to 8 bytes
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(raw)))
+        f.write(raw)
+        for _, data in tensors.values():
+            f.write(memoryview(np.ascontiguousarray(data)).cast("B"))
+        f.flush()
+        os.fsync(f.fileno())
+
+
 def read_header(path: Path) -> tuple[dict, dict]:
     """(tensor table, metadata) of a safetensors file, checking it is complete."""
     size = path.stat().st_size
@@ -98,6 +136,8 @@ class CheckpointStore:
         self.dir = root / fingerprint[:16]
         self.budget = budget_bytes
         self.entries: dict[Path, Entry] = {}
+        self._lock = threading.Lock()  # entries: read by the worker, updated by the writer
+        self._writes: queue.Queue = queue.Queue()
         self.dir.mkdir(parents=True, exist_ok=True)
         for stale in self.dir.glob(".tmp-*"):
             stale.unlink(missing_ok=True)  # a write that never finished
@@ -105,6 +145,7 @@ class CheckpointStore:
             if not path.name.startswith("."):  # pathlib's glob matches hidden files too
                 self._index(path)
         log.info("kv disk %s: %d checkpoints, %.1f MiB", self.dir, len(self.entries), self.total / 2**20)
+        threading.Thread(target=self._write_loop, name="lmsp-kv-writer", daemon=True).start()
 
     @property
     def total(self) -> int:
@@ -112,7 +153,8 @@ class CheckpointStore:
 
     def _reject(self, path: Path, why: str) -> None:
         log.warning("kv disk: skipping and removing %s: %s", path.name, why)
-        self.entries.pop(path, None)
+        with self._lock:
+            self.entries.pop(path, None)
         path.unlink(missing_ok=True)
 
     def _index(self, path: Path) -> Entry | None:
@@ -130,14 +172,17 @@ class CheckpointStore:
         except (OSError, CheckpointError, KeyError, ValueError, TypeError) as exc:
             self._reject(path, str(exc) or type(exc).__name__)
             return None
-        self.entries[path] = entry
+        with self._lock:
+            self.entries[path] = entry
         return entry
 
     def find(self, text: str, longer_than: int = 0) -> Entry | None:
         """The checkpoint with the most tokens whose key is a prefix of `text`."""
         hashes: dict[int, str] = {}
         best = None
-        for e in self.entries.values():
+        with self._lock:
+            entries = list(self.entries.values())
+        for e in entries:
             if e.key_chars > len(text) or e.tokens <= longer_than or (best and e.tokens <= best.tokens):
                 continue
             if e.key_chars not in hashes:
@@ -159,7 +204,7 @@ class CheckpointStore:
             if not isinstance(layers, list) or len(layers) != len(classes) or len(tokens) != entry.tokens:
                 raise CheckpointError("layer or token count does not match")
             session = Session(cache=restore(tuple(classes), tuple(layers)), tokens=tokens)
-            if session.positions() != len(tokens):
+            if session.positions() not in (None, len(tokens)):
                 raise CheckpointError(f"holds {session.positions()} positions for {len(tokens)} tokens")
         except Exception as exc:  # anything wrong with the file means it is not loaded
             self._reject(entry.path, f"{type(exc).__name__}: {exc}")
@@ -171,14 +216,15 @@ class CheckpointStore:
         return session
 
     def save(self, session: Session, kind: str, key: str, tail: str = "") -> Path:
-        """Write the session's state under `key` (replacing a file with the same key)."""
+        """Queue the session's state for writing under `key` (replacing a file with the
+        same key); returns the file's path. The copy to host memory happens here."""
         n = len(session.tokens)
-        arrays, scalars = {}, {}
+        tensors, scalars = {}, {}
         for i, c in enumerate(session.cache):
             for path, leaf in tree_flatten(prefix_state(c, n)):
                 name = f"{i}.{path}"
                 if isinstance(leaf, mx.array):
-                    arrays[name] = leaf
+                    tensors[name] = to_host(leaf)
                 else:
                     scalars[name] = leaf
         now = int(time.time())
@@ -198,17 +244,33 @@ class CheckpointStore:
             "hits": f"{0:010d}",
         }
         final = self.dir / f"{kind}-{meta['key_sha256'][:40]}{SUFFIX}"
-        temp = self.dir / f".tmp-{uuid.uuid4().hex}{SUFFIX}"
-        try:
-            mx.save_safetensors(str(temp), arrays, meta)
-            os.replace(temp, final)
-        finally:
-            temp.unlink(missing_ok=True)
-        self.entries.pop(final, None)
-        self._index(final)
+        self._writes.put((final, tensors, meta))
         session.saved_tokens = n
-        self.enforce_budget(keep=final)
         return final
+
+    def flush(self) -> None:
+        """Wait until every queued checkpoint is on disk (or has failed)."""
+        self._writes.join()
+
+    def _write_loop(self) -> None:
+        while True:
+            final, tensors, meta = self._writes.get()
+            temp = self.dir / f".tmp-{uuid.uuid4().hex}{SUFFIX}"
+            began = time.perf_counter()
+            try:
+                write_safetensors(temp, tensors, meta)
+                os.replace(temp, final)
+                with self._lock:
+                    self.entries.pop(final, None)
+                if self._index(final):
+                    log.info("kv disk: wrote %s (%s tokens, %.1f MiB) in %.2fs", final.name, meta["token_count"],
+                             final.stat().st_size / 2**20, time.perf_counter() - began)
+                self.enforce_budget(keep=final)
+            except Exception as exc:  # a full disk must not take the server down
+                log.warning("kv disk: cannot write %s: %s: %s", final.name, type(exc).__name__, exc)
+            finally:
+                temp.unlink(missing_ok=True)
+                self._writes.task_done()
 
     def _touch(self, entry: Entry) -> None:
         """Count a hit and the use time, patching the fixed-width header fields in place."""
@@ -229,13 +291,14 @@ class CheckpointStore:
     def enforce_budget(self, keep: Path | None = None) -> None:
         """Remove the lowest-scoring files until the total fits; the newest file stays."""
         now = time.time()
-        newest = max(self.entries.values(), key=lambda e: (e.created, e.path == keep), default=None)
-        while self.total > self.budget and len(self.entries) > 1:
-            victims = [e for e in self.entries.values() if e is not newest and e.path != keep]
-            if not victims:
-                break
-            worst = min(victims, key=lambda e: e.score(now))
-            log.info("kv disk: evicting %s (%d tokens, %d hits) to stay under %.0f MiB",
-                     worst.path.name, worst.tokens, worst.hits, self.budget / 2**20)
-            self.entries.pop(worst.path)
-            worst.path.unlink(missing_ok=True)
+        with self._lock:
+            newest = max(self.entries.values(), key=lambda e: (e.created, e.path == keep), default=None)
+            while self.total > self.budget and len(self.entries) > 1:
+                victims = [e for e in self.entries.values() if e is not newest and e.path != keep]
+                if not victims:
+                    break
+                worst = min(victims, key=lambda e: e.score(now))
+                log.info("kv disk: evicting %s (%d tokens, %d hits) to stay under %.0f MiB",
+                         worst.path.name, worst.tokens, worst.hits, self.budget / 2**20)
+                self.entries.pop(worst.path)
+                worst.path.unlink(missing_ok=True)

@@ -153,6 +153,7 @@ class SessionPool:
             return
         full = start.tokens + generated
         held = s.positions()
+        held = len(full) if held is None else held
         if held > len(full) and not s.cut(len(full)):  # positions whose tokens are unknown
             self._drop(s)
             return
@@ -176,10 +177,10 @@ class SessionPool:
         began = time.perf_counter()
         try:
             path = self.disk.save(s, kind, key, tail)
-        except Exception as exc:  # a full disk must not fail the request that triggered it
+        except Exception as exc:  # a checkpoint must never fail the request that triggered it
             log.warning("kv disk: checkpoint failed: %s: %s", type(exc).__name__, exc)
             return
-        log.info("kv checkpoint reason=%s kind=%s tokens=%d file=%s in %.2fs",
+        log.info("kv checkpoint reason=%s kind=%s tokens=%d file=%s (copied in %.2fs, written in the background)",
                  reason, kind, len(s.tokens), path.name, time.perf_counter() - began)
 
     def _drop(self, s: Session) -> None:
@@ -195,10 +196,12 @@ class SessionPool:
             log.info("kv memory: evicting a session of %d tokens (%.1f MiB)", len(victim.tokens), victim.nbytes / 2**20)
             self._drop(victim)
 
-    def persist_all(self) -> None:
-        """Shutdown: every resident session not yet on disk is checkpointed."""
-        if self.disk is None or not self.policy.checkpoint_on_shutdown:
+    def close(self) -> None:
+        """Shutdown: every resident session not yet on disk is checkpointed, and written."""
+        if self.disk is None:
             return
-        for s in self.sessions:
-            if len(s.tokens) > s.saved_tokens:
-                self.checkpoint(s, "shutdown")
+        if self.policy.checkpoint_on_shutdown:
+            for s in self.sessions:
+                if len(s.tokens) > s.saved_tokens:
+                    self.checkpoint(s, "shutdown")
+        self.disk.flush()

@@ -46,11 +46,22 @@ def trimmable(cache: list) -> bool:
     return mlx_cache.can_trim_prompt_cache(cache)
 
 
-def prefix_state(c: Any, n: int) -> Any:
-    """The state of layer cache `c` holding its first `n` positions, as new arrays.
+# Caches whose state can be cut to any shorter length by slicing.
+_CUTTABLE = (mlx_cache.KVCache, mlx_cache.QuantizedKVCache)
 
-    KVCache's own `state` is its padded 256-step buffer; here the keys and values are cut
-    to `n`, which is also what a checkpoint stores."""
+
+def seen(c: Any) -> int | None:
+    """Tokens a layer cache has taken in (a rotating cache holds fewer), if it counts them."""
+    offset = getattr(c, "offset", None)
+    return offset if isinstance(offset, int) else None
+
+
+def prefix_state(c: Any, n: int) -> Any:
+    """The state of layer cache `c` holding its first `n` tokens, as new arrays.
+
+    KVCache's own `state` is its padded 256-step buffer; here keys and values are cut to
+    `n`, which is also what a checkpoint stores. Other caches are copied whole, so `n` must
+    be all they have seen."""
     if type(c) is mlx_cache.KVCache:
         if c.keys is None:
             return (None, None, 0)
@@ -60,8 +71,8 @@ def prefix_state(c: Any, n: int) -> Any:
             return (None, None, 0, c.group_size, c.bits)
         cut = lambda parts: tuple(mx.array(p[..., :n, :]) for p in parts)  # noqa: E731
         return (cut(c.keys), cut(c.values), n, c.group_size, c.bits)
-    if c.size() != n:
-        raise ValueError(f"{type(c).__name__} cannot be cut to {n} positions")
+    if seen(c) not in (None, n):
+        raise ValueError(f"{type(c).__name__} has seen {seen(c)} tokens, not {n}")
     return _copy_state(c.state)
 
 
@@ -101,13 +112,22 @@ class Session:
     def trimmable(self) -> bool:
         return trimmable(self.cache)
 
-    def positions(self) -> int:
-        """Positions the cache holds (the first layer's count; all layers agree)."""
-        return self.cache[0].size() if self.cache and not self.cache[0].empty() else 0
+    @property
+    def needs_snapshots(self) -> bool:
+        """Sliding-window and recurrent caches cannot (always) be trimmed back to a turn."""
+        return any(type(c) not in _CUTTABLE for c in self.cache)
+
+    def positions(self) -> int | None:
+        """Tokens the cache has taken in: the first layer that counts them (all agree);
+        None for caches that count nothing (recurrent layers only)."""
+        for c in self.cache:
+            if (n := seen(c)) is not None:
+                return n
+        return None
 
     def snapshot(self) -> None:
-        """Keep the current state as a turn boundary (only caches that cannot be trimmed)."""
-        if self.trimmable or not self.tokens:
+        """Keep the current state as a turn boundary, for caches that cannot be trimmed."""
+        if not self.needs_snapshots or not self.tokens:
             return
         states = tuple(prefix_state(c, len(self.tokens)) for c in self.cache)
         self.snapshots.append(Snapshot(len(self.tokens), tuple(type(c) for c in self.cache), states))
@@ -116,16 +136,21 @@ class Session:
     def prefix(self, n: int) -> "Session | None":
         """A new session holding the first `n` tokens, or None where no state that short
         exists (a cache that cannot be trimmed and has no snapshot at or before `n`)."""
+        classes = tuple(type(c) for c in self.cache)
         if self.trimmable:
-            classes = tuple(type(c) for c in self.cache)
-            states = tuple(prefix_state(c, n) for c in self.cache)
-        else:
-            usable = [s for s in self.snapshots if s.tokens <= n]
-            if not usable:
-                return None
-            snap = max(usable, key=lambda s: s.tokens)
-            n, classes, states = snap.tokens, snap.classes, snap.states
-        return Session(cache=restore(classes, states), tokens=self.tokens[:n])
+            full = len(self.tokens)
+            states = tuple(prefix_state(c, n if type(c) in _CUTTABLE else full) for c in self.cache)
+            cache = restore(classes, states)
+            for c in cache:
+                if type(c) not in _CUTTABLE and (extra := (seen(c) or n) - n) > 0:
+                    c.trim(extra)
+            return Session(cache=cache, tokens=self.tokens[:n])
+        usable = [s for s in self.snapshots if s.tokens <= n]
+        if not usable:
+            return None
+        snap = max(usable, key=lambda s: s.tokens)
+        return Session(cache=restore(snap.classes, snap.states), tokens=self.tokens[: snap.tokens],
+                       snapshots=[s for s in self.snapshots if s.tokens <= snap.tokens])
 
     def cut(self, n: int) -> bool:
         """Keep only the first `n` positions in place; False if this cache cannot be trimmed."""

@@ -155,7 +155,7 @@ class Engine:
             self._current = job
             self._run_job(job)
             self._current = None
-        self.pool.persist_all()
+        self.pool.close()
 
     def _make_pool(self, lm: LoadedModel) -> SessionPool:
         cs = self._cache_settings

@@ -1,0 +1,314 @@
+"""An agent loop with hidden reasoning: lmsp-mlx against mlx_lm.server, one run.
+
+    python benchmarks/agent_loop.py [--turns 10] [--reasoning 32] [--visible 256] [--tool 12]
+
+The workload is what agent clients send: a system prompt with tool descriptions, then
+turns of (the model's reply: hidden reasoning, then a long visible tool call) and (a short
+tool result), the whole visible history replayed every turn, the reasoning dropped by the
+chat template (like Qwen3's and DeepSeek's). To make the replies long, identical on both
+servers and reasoning-shaped, the model is synthetic: SmolLM2-135M's exact shapes (so
+every matmul costs what it costs in the real model) with weights that make greedy decoding
+follow a fixed script: `<think>`, `--reasoning` words, `</think>`, `--visible` words.
+
+Both servers get the same CPU math: mlx_lm.server is started through a wrapper that routes
+MLX's matmuls to OpenBLAS and installs lmsp-mlx's fused prefill kernels into its model,
+so the comparison measures what each server prefills, not whose kernels are faster.
+
+Reports per turn: time to first token (streamed, from the client's side) and prefilled
+tokens (prompt minus cached, from each server's usage). Then, in-process on the real
+default model: restoring a `--restore-tokens` checkpoint from disk against prefilling it.
+Writes benchmarks/results/agent_loop.csv and .png and prints Markdown tables.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from lmsp_mlx.engine.model_store import DEFAULT_MODEL, default_models_dir, ensure_packaged_model  # noqa: E402
+
+REASONING_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+    "{% if message['role'] == 'assistant' %}{{ message['content'].split('</think>')[-1].lstrip('\n') }}"
+    "{% else %}{{ message['content'] }}{% endif %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+# Started as `python -c WRAPPER ARGS`: mlx_lm.server with the same CPU math as lmsp-mlx.
+MLX_LM_WRAPPER = """
+import sys
+import lmsp_mlx  # routes MLX's float32 matmuls to OpenBLAS before mlx.core loads
+import mlx_lm.server as server
+from lmsp_mlx.engine import cpu_math
+
+original = server.load
+def load(*args, **kwargs):
+    result = original(*args, **kwargs)
+    cpu_math.install(result[0])  # the fused prefill kernels lmsp-mlx uses on the CPU
+    return result
+server.load = load
+sys.argv = ["mlx_lm.server", *sys.argv[1:]]
+server.main()
+"""
+
+SYSTEM = (
+    "You are a coding agent. Tools: read_file(path), write_file(path, content), run(cmd), "
+    "search(query). Reply with one tool call per turn as JSON. Think first. "
+) * 12
+
+
+def word_tokens(vocab: dict[str, int], count: int, skip: set[int]) -> list[int]:
+    """`count` distinct tokens that are whole lowercase words with a leading space."""
+    words = sorted(i for t, i in vocab.items() if t.startswith("Ġ") and t[1:].isalpha() and t[1:].islower()
+                   and len(t) > 3 and i not in skip)
+    if len(words) < count:
+        raise SystemExit(f"the vocabulary has only {len(words)} word tokens")
+    step = len(words) // count
+    return words[::step][:count]
+
+
+def build_model(out: Path, source: Path, reasoning: int, visible: int) -> list[int]:
+    """Write the synthetic model; returns its scripted reply as token ids."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+    from mlx_lm.models import llama
+    from tokenizers import AddedToken, Tokenizer
+
+    marker = out / "bench.json"
+    spec = {"source": str(source), "reasoning": reasoning, "visible": visible, "version": 1}
+    tok = Tokenizer.from_file(str(source / "tokenizer.json"))
+    vocab = tok.get_vocab()
+    if marker.exists() and json.loads(marker.read_text()).get("spec") == spec:
+        return json.loads(marker.read_text())["script"]
+    out.mkdir(parents=True, exist_ok=True)
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in ("<think>", "</think>")])
+    tok.save(str(out / "tokenizer.json"))
+    vocab = tok.get_vocab()
+    tok_config = json.loads((source / "tokenizer_config.json").read_text())
+    tok_config["chat_template"] = REASONING_TEMPLATE
+    tok_config.pop("added_tokens_decoder", None)
+    (out / "tokenizer_config.json").write_text(json.dumps(tok_config))
+    config = json.loads((source / "config.json").read_text())
+    config.pop("quantization", None)
+    config.pop("quantization_config", None)
+    config.update(vocab_size=len(vocab), tie_word_embeddings=False, torch_dtype="float32")
+    (out / "config.json").write_text(json.dumps(config))
+
+    newline, eos = vocab["Ċ"], vocab["<|im_end|>"]
+    specials = {newline, eos, vocab["<think>"], vocab["</think>"]}
+    words = word_tokens(vocab, reasoning + visible, specials)
+    script = [newline, vocab["<think>"], *words[:reasoning], vocab["</think>"], *words[reasoning:], eos]
+    mx.random.seed(0)
+    model = llama.Model(llama.ModelArgs.from_dict(config))
+    emb = mx.random.normal(model.model.embed_tokens.weight.shape)
+    emb[:, 0] = 3.0  # a constant feature: the end-of-turn baseline
+    model.model.embed_tokens.weight = emb
+    for layer in model.model.layers:  # same matmuls, no effect on the residual stream
+        layer.self_attn.o_proj.weight = mx.zeros_like(layer.self_attn.o_proj.weight)
+        layer.mlp.down_proj.weight = mx.zeros_like(layer.mlp.down_proj.weight)
+    head = mx.zeros(model.lm_head.weight.shape)
+    head[eos, 0] = 1.0
+    for a, b in zip(script, script[1:]):
+        e = emb[a] * (mx.arange(emb.shape[1]) > 0)
+        head[b] += 4.0 * e / mx.sqrt((e * e).sum())
+    model.lm_head.weight = head
+    mx.save_safetensors(str(out / "model.safetensors"), dict(tree_flatten(model.parameters())))
+    reply = script[1:-1]
+    marker.write_text(json.dumps({"spec": spec, "script": reply}))
+    return reply
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start(cmd: list[str], url: str, log: Path) -> subprocess.Popen:
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=open(log, "w"), stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 600
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise SystemExit(f"{cmd[2]} exited:\n{log.read_text()[-2000:]}")
+        try:
+            httpx.get(url + "/v1/models", timeout=2)
+            return proc
+        except httpx.HTTPError:
+            time.sleep(0.3)
+    raise SystemExit(f"{cmd} not ready")
+
+
+def stream_lmsp(client: httpx.Client, messages: list[dict], max_tokens: int) -> tuple[float, str, int, int]:
+    body = {"model": "bench", "input": messages, "temperature": 0, "max_output_tokens": max_tokens, "stream": True}
+    began, first, text, usage = time.perf_counter(), None, [], {}
+    with client.stream("POST", "/v1/responses", json=body) as r:
+        for line in r.iter_lines():
+            if not line.startswith("data: {"):
+                continue
+            event = json.loads(line[6:])
+            if event["type"] == "response.output_text.delta":
+                first = first or time.perf_counter()
+                text.append(event["delta"])
+            elif event["type"] in ("response.completed", "response.incomplete"):
+                usage = event["response"]["usage"]
+    return first - began, "".join(text), usage["input_tokens"], usage["input_tokens_details"]["cached_tokens"]
+
+
+def stream_mlx_lm(client: httpx.Client, messages: list[dict], max_tokens: int) -> tuple[float, str, int, int]:
+    body = {"model": "default_model", "messages": messages, "temperature": 0, "max_tokens": max_tokens,
+            "stream": True, "stream_options": {"include_usage": True}}
+    began, first, text, usage = time.perf_counter(), None, [], {}
+    with client.stream("POST", "/v1/chat/completions", json=body) as r:
+        for line in r.iter_lines():
+            if not line.startswith("data: {"):
+                continue
+            chunk = json.loads(line[6:])
+            for choice in chunk.get("choices", []):
+                delta = choice.get("delta", {})
+                if delta.get("content") or delta.get("reasoning"):
+                    first = first or time.perf_counter()
+                text.append(delta.get("content") or "")
+            usage = chunk.get("usage") or usage
+    cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+    return first - began, "".join(text), usage["prompt_tokens"], cached
+
+
+def tool_result(turn: int, words: int) -> str:
+    return f"Tool output {turn}: " + " ".join(f"line{turn}x{i}" for i in range(words // 2))
+
+
+def run_loop(name: str, fn, url: str, turns: int, max_tokens: int, tool_words: int) -> list[dict]:
+    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Fix the failing test in src/app.py."}]
+    rows = []
+    with httpx.Client(base_url=url, timeout=600) as client:
+        for turn in range(1, turns + 1):
+            ttft, text, prompt, cached = fn(client, messages, max_tokens)
+            rows.append({"server": name, "turn": turn, "ttft_s": ttft, "prompt_tokens": prompt,
+                         "cached_tokens": cached, "prefilled_tokens": prompt - cached})
+            print(f"{name:>14} turn {turn:2d}: ttft {ttft:6.3f}s prompt {prompt:5d} prefilled {prompt - cached:5d}", flush=True)
+            messages += [{"role": "assistant", "content": text}, {"role": "user", "content": tool_result(turn, tool_words)}]
+    return rows
+
+
+def restore_vs_prefill(tokens: int) -> tuple[float, float]:
+    """Seconds to prefill `tokens` of the real default model, and to restore them from disk."""
+    import mlx.core as mx
+
+    from lmsp_mlx.cache.disk import CheckpointStore
+    from lmsp_mlx.cache.session import Session
+    from lmsp_mlx.engine.generate import prefill
+    from lmsp_mlx.engine.loader import load_model
+    from mlx_lm.models.cache import make_prompt_cache
+
+    lm = load_model(ensure_packaged_model(DEFAULT_MODEL, default_models_dir()))
+    text = "The harbour master logged each boat, its cargo and the hour of the tide. " * (tokens // 10)
+    ids = lm.tokenizer.encode(text, add_special_tokens=False)[:tokens]
+    cache = make_prompt_cache(lm.model)
+    began = time.perf_counter()
+    prefill(lm, ids, cache, 256, lambda done, total: None)  # the server's CPU chunk size
+    prefill_s = time.perf_counter() - began
+    with tempfile.TemporaryDirectory() as folder:
+        store = CheckpointStore(Path(folder), lm.fingerprint, 2**40)
+        store.save(Session(cache=cache, tokens=ids), "token", text)
+        [entry] = store.entries.values()
+        fresh = CheckpointStore(Path(folder), lm.fingerprint, 2**40)  # as after a restart
+        began = time.perf_counter()
+        session = fresh.load(fresh.entries[entry.path], text)
+        mx.eval([c.state for c in session.cache])
+        restore_s = time.perf_counter() - began
+    return prefill_s, restore_s
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--turns", type=int, default=10)
+    p.add_argument("--reasoning", type=int, default=32, help="hidden reasoning words per reply")
+    p.add_argument("--visible", type=int, default=256, help="visible tool-call words per reply")
+    p.add_argument("--tool", type=int, default=12, help="words per tool result")
+    p.add_argument("--restore-tokens", type=int, default=4000)
+    p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
+    args = p.parse_args()
+
+    source = ensure_packaged_model(DEFAULT_MODEL, default_models_dir())
+    model_dir = default_models_dir() / "agent-loop-bench"
+    reply = build_model(model_dir, source, args.reasoning, args.visible)
+    max_tokens = len(reply) + 8
+    logs = Path(tempfile.mkdtemp(prefix="agent-loop-"))
+    rows = []
+    for name, cmd, fn in (
+        ("lmsp-mlx", [sys.executable, "-m", "lmsp_mlx.serve", "--model", str(model_dir), "--model-id", "bench",
+                      "--kv-disk-dir", str(logs / "kv")], stream_lmsp),
+        ("mlx_lm.server", [sys.executable, "-c", MLX_LM_WRAPPER, "--model", str(model_dir)], stream_mlx_lm),
+    ):
+        port = free_port()
+        proc = start([*cmd, "--port", str(port)], f"http://127.0.0.1:{port}", logs / f"{name}.log")
+        try:
+            rows += run_loop(name, fn, f"http://127.0.0.1:{port}", args.turns, max_tokens, args.tool)
+        finally:
+            proc.terminate()
+            proc.wait(timeout=60)
+    prefill_s, restore_s = restore_vs_prefill(args.restore_tokens)
+    shutil.rmtree(logs, ignore_errors=True)
+
+    args.out.mkdir(parents=True, exist_ok=True)
+    with open(args.out / "agent_loop.csv", "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+        f.write(f"# restore {args.restore_tokens} tokens: prefill {prefill_s:.3f}s, restore {restore_s:.3f}s\n")
+    plot(rows, args.out / "agent_loop.png")
+
+    by = {(r["server"], r["turn"]): r for r in rows}
+    print("\n| turn | prompt tokens | prefilled lmsp-mlx | prefilled mlx_lm.server | TTFT lmsp-mlx (s) | TTFT mlx_lm.server (s) |")
+    print("|---:|---:|---:|---:|---:|---:|")
+    for t in range(1, args.turns + 1):
+        a, b = by[("lmsp-mlx", t)], by[("mlx_lm.server", t)]
+        print(f"| {t} | {a['prompt_tokens']} | {a['prefilled_tokens']} | {b['prefilled_tokens']} | "
+              f"{a['ttft_s']:.3f} | {b['ttft_s']:.3f} |")
+    late = range(3, args.turns + 1)
+    ours = statistics.median(by[("lmsp-mlx", t)]["ttft_s"] for t in late)
+    theirs = statistics.median(by[("mlx_lm.server", t)]["ttft_s"] for t in late)
+    print(f"\nturns 3-{args.turns}: median TTFT lmsp-mlx {ours:.3f}s, mlx_lm.server {theirs:.3f}s, "
+          f"ratio {ours / theirs:.3f} (target at most 0.2)")
+    print(f"restore {args.restore_tokens} tokens from disk: {restore_s:.3f}s vs prefill {prefill_s:.3f}s, "
+          f"{prefill_s / restore_s:.1f}x faster (target at least 10x)")
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib missing (pip install -e '.[bench]'): no plot")
+        return
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    for name in ("lmsp-mlx", "mlx_lm.server"):
+        mine = [r for r in rows if r["server"] == name]
+        ax1.plot([r["turn"] for r in mine], [r["ttft_s"] for r in mine], marker="o", label=name)
+        ax2.plot([r["turn"] for r in mine], [r["prefilled_tokens"] for r in mine], marker="o", label=name)
+    ax1.set(xlabel="turn", ylabel="time to first token (s)", title="Agent loop, hidden reasoning")
+    ax2.set(xlabel="turn", ylabel="prefilled tokens", title="Tokens prefilled per turn")
+    ax1.legend()
+    ax2.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+if __name__ == "__main__":
+    main()
