@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import csv
 import json
-import shutil
 import socket
 import statistics
 import subprocess
@@ -224,6 +223,7 @@ def restore_vs_prefill(tokens: int) -> tuple[float, float]:
     with tempfile.TemporaryDirectory() as folder:
         store = CheckpointStore(Path(folder), lm.fingerprint, 2**40)
         store.save(Session(cache=cache, tokens=ids), "token", text)
+        store.flush()
         [entry] = store.entries.values()
         fresh = CheckpointStore(Path(folder), lm.fingerprint, 2**40)  # as after a restart
         began = time.perf_counter()
@@ -261,8 +261,8 @@ def main() -> None:
         finally:
             proc.terminate()
             proc.wait(timeout=60)
+    print(f"server logs: {logs}", flush=True)
     prefill_s, restore_s = restore_vs_prefill(args.restore_tokens)
-    shutil.rmtree(logs, ignore_errors=True)
 
     args.out.mkdir(parents=True, exist_ok=True)
     with open(args.out / "agent_loop.csv", "w", newline="") as f:

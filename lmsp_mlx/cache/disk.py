@@ -221,7 +221,7 @@ class CheckpointStore:
         n = len(session.tokens)
         tensors, scalars = {}, {}
         for i, c in enumerate(session.cache):
-            for path, leaf in tree_flatten(prefix_state(c, n)):
+            for path, leaf in tree_flatten(prefix_state(c, n, copy=False)):  # one copy: to host
                 name = f"{i}.{path}"
                 if isinstance(leaf, mx.array):
                     tensors[name] = to_host(leaf)

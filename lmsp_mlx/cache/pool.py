@@ -1,7 +1,7 @@
 """The resident sessions and the one lookup order that picks where a request starts.
 
-For each request, in this order (the first that applies wins, except that a later kind
-is taken when it reuses more tokens than a trimmed token prefix):
+For each request, in this order (the first that applies wins; a common token prefix that
+must be trimmed gives way to a text prefix or a checkpoint that reuses more tokens):
 
 1. `visible`: a session's binding key (the visible transcript of its last turn) is a prefix
    of the request's rendered text. The KV, with any hidden reasoning the client did not
@@ -100,6 +100,10 @@ class SessionPool:
             return Start(s, "token", len(s.tokens), tokens)
 
         best: Start | None = None
+        shared, s = max(((common_prefix(s.tokens, tokens), s) for s in self.sessions), default=(0, None),
+                        key=lambda p: p[0])
+        if shared > 0:  # a common token prefix, trimmed (or copied) down to it
+            best = Start(s, "token", min(shared, n - 1), tokens)
         for s in self.sessions:  # rendered-text prefix: the whole session, or its last prompt
             for part_text, part_tokens in ((s.text, len(s.tokens)), (s.prompt_text, s.prompt_tokens)):
                 if part_tokens and len(text) > len(part_text) and text.startswith(part_text):
@@ -107,9 +111,6 @@ class SessionPool:
                     if len(full) <= limit and (best is None or part_tokens > best.cached):
                         best = Start(s, "text", part_tokens, full)
                     break
-        partial = max(((common_prefix(s.tokens, tokens), s) for s in self.sessions), default=(0, None), key=lambda p: p[0])
-        if partial[0] > 0 and (best is None or min(partial[0], n - 1) > best.cached):
-            best = Start(partial[1], "token", min(partial[0], n - 1), tokens)
 
         if self.disk is not None:
             entry = self.disk.find(text, longer_than=best.cached if best else 0)

@@ -56,24 +56,26 @@ def seen(c: Any) -> int | None:
     return offset if isinstance(offset, int) else None
 
 
-def prefix_state(c: Any, n: int) -> Any:
-    """The state of layer cache `c` holding its first `n` tokens, as new arrays.
+def prefix_state(c: Any, n: int, copy: bool = True) -> Any:
+    """The state of layer cache `c` holding its first `n` tokens.
 
     KVCache's own `state` is its padded 256-step buffer; here keys and values are cut to
-    `n`, which is also what a checkpoint stores. Other caches are copied whole, so `n` must
-    be all they have seen."""
+    `n`, which is also what a checkpoint stores. Other caches are taken whole, so `n` must
+    be all they have seen. With `copy=False` the arrays are views of the live ones, only
+    to be read at once (a checkpoint copies them to host memory)."""
+    own = (lambda a: mx.array(a)) if copy else (lambda a: a)
     if type(c) is mlx_cache.KVCache:
         if c.keys is None:
             return (None, None, 0)
-        return (mx.array(c.keys[..., :n, :]), mx.array(c.values[..., :n, :]), n)
+        return (own(c.keys[..., :n, :]), own(c.values[..., :n, :]), n)
     if type(c) is mlx_cache.QuantizedKVCache:
         if c.keys is None:
             return (None, None, 0, c.group_size, c.bits)
-        cut = lambda parts: tuple(mx.array(p[..., :n, :]) for p in parts)  # noqa: E731
+        cut = lambda parts: tuple(own(p[..., :n, :]) for p in parts)  # noqa: E731
         return (cut(c.keys), cut(c.values), n, c.group_size, c.bits)
     if seen(c) not in (None, n):
         raise ValueError(f"{type(c).__name__} has seen {seen(c)} tokens, not {n}")
-    return _copy_state(c.state)
+    return _copy_state(c.state) if copy else c.state
 
 
 def restore(classes: tuple[type, ...], states: tuple[Any, ...]) -> list:
