@@ -30,7 +30,14 @@ def respond(server, messages, route="/lmsp/v1/responses", model="tiny", **fields
 
 
 def reply_text(resp: dict) -> str:
-    return resp["output"][0]["content"][0]["text"]
+    """The visible reply: the message item's text."""
+    return next((o["content"][0]["text"] for o in resp["output"] if o["type"] == "message"), "")
+
+
+def raw_text(resp: dict) -> str:
+    """The reply as the model sampled it: reasoning back inside its <think> tags."""
+    thought = "".join(o["summary"][0]["text"] for o in resp["output"] if o["type"] == "reasoning")
+    return (f"<think>{thought}</think>" if thought else "") + reply_text(resp)
 
 
 def cached(resp: dict) -> int:
@@ -94,11 +101,12 @@ def test_a_replayed_conversation_prefills_only_the_new_turn(tiny_kv):
 def test_hidden_reasoning_stays_in_the_live_kv(scripted_kv, scripted_dir):
     history = [user("What does the lamp say?")]
     first = respond(scripted_kv, history)
-    assert reply_text(first) == SCRIPTED_REPLY  # "<think> the</think>OK"
+    assert raw_text(first) == SCRIPTED_REPLY  # "<think> the</think>OK": a reasoning item and "OK"
+    assert reply_text(first) == "OK"
     # The template drops the <think> block of earlier turns, so a replay renders only "OK"
     # (whether the client sends the block or not); the KV continues with the reasoning.
     for i, replayed in enumerate(("OK", SCRIPTED_REPLY)):
-        history = history + [assistant(replayed if i == 0 else reply_text(first)), user(f"Why {i}?")]
+        history = history + [assistant(replayed), user(f"Why {i}?")]
         nxt = respond(scripted_kv, history, route="/lmsp/v1/responses" if i == 0 else "/v1/responses")
         assert cached(nxt) == kv_after(first)
         # A cold start would prefill the visible transcript; this KV holds 5 more tokens:
@@ -133,7 +141,7 @@ def test_a_bpe_boundary_continues_by_text_prefix_like_a_cold_run(scripted_kv, sc
     question = [user("Say it.")]
     # Cut after "<think> t": the KV ends in the token " t".
     first = respond(scripted_kv, question, max_output_tokens=2)
-    assert reply_text(first) == "<think> t"
+    assert first["output"][0]["summary"][0]["text"] == " t"  # inside the reasoning
     # The client continues that text; a fresh tokenization merges " the" into one token,
     # so the token prefix stops before " t", the text prefix does not.
     history = question + [assistant("<think> the cat"), user("Continue.")]
@@ -148,7 +156,7 @@ def test_a_bpe_boundary_continues_by_text_prefix_like_a_cold_run(scripted_kv, sc
     pieces: list[str] = []
     generate(lm, GenerationParams(prompt=visible_prompt(scripted_dir, history), max_tokens=12, temperature=0),
              lambda e: pieces.append(getattr(e, "text", "")), lambda: False)
-    assert reply_text(nxt) == "".join(pieces)  # the same text as a cold run
+    assert raw_text(nxt) == "".join(pieces)  # the same text as a cold run
 
 
 def test_a_restarted_server_resumes_from_its_shutdown_checkpoint(start_server, tiny_model_dir, tmp_path):

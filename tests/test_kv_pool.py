@@ -49,7 +49,8 @@ def turn(pool: SessionPool, lm, messages: list[dict], max_tokens: int = 10) -> t
     )
     reply = "".join(pieces)
     ended = lm.tokenizer.decode(sampled[-1:]) if done.reason == "stop" else ""
-    pool.finish(start, sampled, ok=True, binding=turn_binding(lm.tokenizer, messages, reply, ended))
+    binding = turn_binding(lm.tokenizer, messages + [{"role": "assistant", "content": reply}], ended)
+    pool.finish(start, sampled, ok=True, binding=binding)
     return start, reply, len(start.session.tokens)
 
 

@@ -34,7 +34,7 @@ REASONING_CHATML = (
 THINK = ["<think>", "</think>"]
 
 
-def write_tokenizer(out: Path, specials: list[str] = SPECIALS, template: str = CHATML) -> int:
+def write_tokenizer(out: Path, specials: list[str] = SPECIALS, template: str = CHATML, words: tuple[str, ...] = ()) -> int:
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
     byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
@@ -48,6 +48,8 @@ def write_tokenizer(out: Path, specials: list[str] = SPECIALS, template: str = C
     tok.pre_tokenizer = byte_level
     tok.decoder = decoders.ByteLevel()
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in specials])
+    # Whole phrases as single ordinary tokens: a script can then say text with repeats.
+    tok.add_tokens([AddedToken(w, special=False, normalized=False) for w in words])
     tok.save(str(out / "tokenizer.json"))
     (out / "tokenizer_config.json").write_text(
         json.dumps(
@@ -60,7 +62,7 @@ def write_tokenizer(out: Path, specials: list[str] = SPECIALS, template: str = C
             }
         )
     )
-    return len(vocab)
+    return tok.get_vocab_size()  # added tokens included
 
 
 def _token_id(out: Path, text: str) -> int:
@@ -110,8 +112,17 @@ SCRIPT = ["Ċ", "<think>", "Ġt", "h", "e", "</think>", "O", "K", "<|im_end|>"]
 SCRIPTED_REPLY = "<think> the</think>OK"
 
 
-def build_scripted_model(out: Path, *, seed: int = 11, context: int = 32768) -> Path:
-    """A tiny llama whose greedy output is SCRIPT, whatever came before.
+# A reasoning turn that calls two tools: each call's text is one added token.
+CALLS = (
+    '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>',
+    '\n<tool_call>\n{"name": "get_time", "arguments": {"zone": "CET"}}\n</tool_call>',
+)
+TOOL_SCRIPT = ["Ċ", "<think>", "Ġt", "h", "e", "</think>", *CALLS, "<|im_end|>"]
+
+
+def build_scripted_model(out: Path, *, script: list[str] = SCRIPT, words: tuple[str, ...] = (), seed: int = 11,
+                         context: int = 32768) -> Path:
+    """A tiny llama whose greedy output is `script`, whatever came before.
 
     Its layers add nothing to the residual stream (zero output projections), so the last
     token alone picks the next one: each token's embedding has a constant first feature
@@ -122,7 +133,7 @@ def build_scripted_model(out: Path, *, seed: int = 11, context: int = 32768) -> 
     from tokenizers import Tokenizer
 
     out.mkdir(parents=True, exist_ok=True)
-    config = _config(write_tokenizer(out, SPECIALS + THINK, REASONING_CHATML), context)
+    config = _config(write_tokenizer(out, SPECIALS + THINK, REASONING_CHATML, words), context)
     mx.random.seed(seed)
     model = llama.Model(llama.ModelArgs.from_dict(config))
     vocab = Tokenizer.from_file(str(out / "tokenizer.json")).get_vocab()
@@ -134,7 +145,7 @@ def build_scripted_model(out: Path, *, seed: int = 11, context: int = 32768) -> 
         layer.mlp.down_proj.weight = mx.zeros_like(layer.mlp.down_proj.weight)
     head = mx.zeros(model.lm_head.weight.shape)
     head[vocab["<|im_end|>"], 0] = 1.0
-    for a, b in zip(SCRIPT, SCRIPT[1:]):
+    for a, b in zip(script, script[1:]):
         e = emb[vocab[a]] * (mx.arange(emb.shape[1]) > 0)
         head[vocab[b]] += 4.0 * e / mx.sqrt((e * e).sum())
     model.lm_head.weight = head

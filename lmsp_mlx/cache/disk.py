@@ -42,6 +42,7 @@ import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 from mlx_lm.models import cache as mlx_cache
 
+from .calls import CallMemory, CallTurn
 from .session import Binding, Session, prefix_state, restore
 
 log = logging.getLogger("lmsp_mlx.cache")
@@ -131,12 +132,13 @@ def read_header(path: Path) -> tuple[dict, dict]:
 
 
 class CheckpointStore:
-    def __init__(self, root: Path, fingerprint: str, budget_bytes: int) -> None:
+    def __init__(self, root: Path, fingerprint: str, budget_bytes: int, calls: CallMemory | None = None) -> None:
         self.fingerprint = fingerprint
         self.dir = root / fingerprint[:16]
         self.budget = budget_bytes
         self.entries: dict[Path, Entry] = {}
         self._lock = threading.Lock()  # entries: read by the worker, updated by the writer
+        self.calls = calls  # tool-call turns found in checkpoints are remembered for exact replay
         self._writes: queue.Queue = queue.Queue()
         self.dir.mkdir(parents=True, exist_ok=True)
         for stale in self.dir.glob(".tmp-*"):
@@ -169,6 +171,9 @@ class CheckpointStore:
                 tokens=int(meta["token_count"]), size=path.stat().st_size, created=int(meta["created"]),
                 last_used=int(meta["last_used"]), hits=int(meta["hits"]),
             )
+            if self.calls is not None and meta.get("calls"):
+                turn = json.loads(meta["calls"])
+                self.calls.remember(CallTurn(tuple(turn["call_ids"]), turn["visible"], tuple(turn["items"])))
         except (OSError, CheckpointError, KeyError, ValueError, TypeError) as exc:
             self._reject(path, str(exc) or type(exc).__name__)
             return None
@@ -243,6 +248,9 @@ class CheckpointStore:
             "last_used": f"{now:012d}",
             "hits": f"{0:010d}",
         }
+        if session.calls is not None:
+            c = session.calls
+            meta["calls"] = json.dumps({"call_ids": list(c.call_ids), "visible": c.visible, "items": list(c.items)})
         final = self.dir / f"{kind}-{meta['key_sha256'][:40]}{SUFFIX}"
         self._writes.put((final, tensors, meta))
         session.saved_tokens = n

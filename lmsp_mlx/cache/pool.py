@@ -75,15 +75,22 @@ class SessionPool:
 
     # -- lookup ---------------------------------------------------------------------------
 
-    def start(self, text: str, tokens: list[int], limit: int) -> Start:
+    def start(self, text: str, tokens: list[int], limit: int, label: str | None = None) -> Start:
         """Where the request with rendered `text` and `tokens` starts; `limit` is the most
-        tokens the KV may hold before decoding (the context minus one)."""
+        tokens the KV may hold before decoding (the context minus one). `label` names a
+        live continuation (a tool-output-only request) in the log line when it is found."""
         start = self._lookup(text, tokens, limit)
         if start.session not in self.sessions:
             self.sessions.append(start.session)
         start.session.last_used = time.monotonic()
-        log.info("cache_source=%s cached=%d prompt=%d", start.source, start.cached, len(start.tokens))
+        source = label if label and start.source in ("visible", "disk") else start.source
+        log.info("cache_source=%s cached=%d prompt=%d", source, start.cached, len(start.tokens))
         return start
+
+    def abandon(self, start: Start) -> None:
+        """The request will not run: forget a session made for it (a live one stays)."""
+        if start.cached == 0 or start.source == "token" and start.session.tokens != start.tokens[: start.cached]:
+            self._drop(start.session)
 
     def _lookup(self, text: str, tokens: list[int], limit: int) -> Start:
         n = len(tokens)
@@ -143,7 +150,7 @@ class SessionPool:
 
     # -- after the turn -------------------------------------------------------------------
 
-    def finish(self, start: Start, generated: list[int], ok: bool, binding: Binding | None) -> None:
+    def finish(self, start: Start, generated: list[int], ok: bool, binding: Binding | None, calls=None) -> None:
         """Record what the KV now holds, snapshot, checkpoint and stay within the budget.
 
         `generated` are the sampled tokens in order (the KV holds those that were fed back);
@@ -163,11 +170,14 @@ class SessionPool:
         s.prompt_text = self._decode(s.tokens[: s.prompt_tokens])
         s.text = self._decode(s.tokens)
         s.binding = binding if len(s.tokens) == len(full) else None
+        s.calls = calls if s.binding else None
         s.last_used = time.monotonic()
         s.snapshot()
         new = len(start.tokens) - start.cached
         grown = len(s.tokens) - s.saved_tokens
-        if new >= self.policy.checkpoint_min_tokens or grown >= self.policy.checkpoint_every:
+        if s.calls is not None:  # an agent's loop resumes here after a restart or another client
+            self.checkpoint(s, "tool-call")
+        elif new >= self.policy.checkpoint_min_tokens or grown >= self.policy.checkpoint_every:
             self.checkpoint(s, "prefill" if new >= self.policy.checkpoint_min_tokens else "growth")
         self._enforce_budget(keep=s)
 

@@ -99,6 +99,7 @@ class Session:
     prompt_tokens: int = 0  # the last request's prompt: the turn boundary
     prompt_text: str = ""
     binding: Binding | None = None
+    calls: Any = None  # calls.CallTurn of the last turn, when it made tool calls
     snapshots: list[Snapshot] = field(default_factory=list)
     saved_tokens: int = 0  # tokens in the newest checkpoint of this session's current line
     last_used: float = field(default_factory=time.monotonic)

@@ -44,6 +44,16 @@ def swiglu(gate: mx.array, x: mx.array) -> mx.array:
     return mx.array(out)
 
 
+def _rows(a: mx.array) -> np.ndarray:
+    """A (B, H, S, D) array whose every head is S contiguous rows, without a copy when it
+    already is one: the KV cache hands attention a slice of its padded buffer, and copying
+    that (all layers, long contexts) cost more than the attention of a short suffix."""
+    view = np.asarray(a)
+    if view.dtype == np.float32 and view.strides[-1] == 4 and view.strides[-2] == 4 * view.shape[-1]:
+        return view
+    return np.ascontiguousarray(view, dtype=np.float32)
+
+
 def causal_attention(queries: mx.array, keys: mx.array, values: mx.array, scale: float) -> mx.array:
     """Causal grouped-query attention in the fused kernel; shapes as mx.fast's.
 
@@ -53,7 +63,7 @@ def causal_attention(queries: mx.array, keys: mx.array, values: mx.array, scale:
     kv_heads, source = keys.shape[1], keys.shape[2]
     group = heads // kv_heads
     q = np.ascontiguousarray(np.asarray(queries).reshape(b, kv_heads, group, length, dim).transpose(0, 1, 3, 2, 4))
-    k, v = np.ascontiguousarray(keys), np.ascontiguousarray(values)
+    k, v = _rows(keys), _rows(values)
     out = np.empty(q.shape, np.float32)
     kernels = cpu_blas.fused_kernels()
     for i in range(b):

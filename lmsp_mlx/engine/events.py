@@ -1,4 +1,4 @@
-"""What the worker reports about one generation, in order: deltas, then one ending."""
+"""What the worker reports about one generation, in order: deltas and calls, then one ending."""
 
 from __future__ import annotations
 
@@ -9,6 +9,19 @@ from typing import Literal, Union
 @dataclass(frozen=True)
 class TextDelta:
     text: str
+
+
+@dataclass(frozen=True)
+class ReasoningDelta:
+    text: str
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    id: str
+    call_id: str
+    name: str
+    arguments: str  # JSON text
 
 
 @dataclass(frozen=True)
@@ -35,6 +48,7 @@ class Finished:
 @dataclass(frozen=True)
 class Failed:
     message: str
+    code: str = "internal_error"  # a PROTOCOL.md problem code
 
 
-GenerationEvent = Union[TextDelta, Finished, Failed]
+GenerationEvent = Union[TextDelta, ReasoningDelta, ToolCall, Finished, Failed]

@@ -19,7 +19,7 @@ import mlx.nn as nn
 
 log = logging.getLogger("lmsp_mlx.engine")
 
-CAPABILITIES = ("text",)
+CAPABILITIES = ("text", "tools")
 
 
 class ModelLoadError(RuntimeError):
@@ -162,5 +162,6 @@ def load_model(path: Path, *, model_id: str | None = None, ctx: int | None = Non
         quantization=quantization,
         backend=backend,
         eos_token_ids=frozenset(eos),
+        capabilities=CAPABILITIES + (("reasoning",) if getattr(tokenizer, "has_thinking", False) else ()),
         fingerprint=fingerprint(path, f"{backend}:{quantization}"),
     )

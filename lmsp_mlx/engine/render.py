@@ -6,13 +6,24 @@ transcript* of that turn, the text a client's replay renders to (see `turn_bindi
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass
 
+from ..cache.calls import CallMemory
 from ..cache.session import Binding
 
 from ..protocol.problems import Problem
-from ..protocol.requests import InputItem, MessageItem, UnsupportedContent
+from ..protocol.requests import (
+    FunctionCallItem,
+    FunctionCallOutputItem,
+    FunctionTool,
+    InputItem,
+    MessageItem,
+    ReasoningItem,
+    UnsupportedContent,
+)
+from .tools import call_text, response_text, tool_prompt
 
 # ChatML, for tokenizers that ship no chat template of their own.
 FALLBACK_TEMPLATE = (
@@ -28,45 +39,116 @@ class Prompt:
     tokens: list[int]
 
 
-def to_chat_messages(items: list[InputItem], instructions: str | None = None) -> list[dict]:
-    """Protocol items -> the `messages` list chat templates expect."""
+def to_chat_messages(
+    items: list[InputItem],
+    instructions: str | None = None,
+    *,
+    tools: list[FunctionTool] = (),
+    native_tools: bool = False,
+    memory: CallMemory | None = None,
+) -> list[dict]:
+    """Protocol items -> the `messages` list chat templates expect.
+
+    Consecutive assistant-side items (an assistant message, reasoning, function calls) are
+    one assistant turn. A turn whose calls the server sampled itself is rendered with the
+    text it sampled (exact replay, from `memory`); others are rendered from their items."""
     messages: list[dict] = []
     if instructions:
         messages.append({"role": "system", "content": instructions})
-    for index, item in enumerate(items):
-        if not isinstance(item, MessageItem):
-            needs = "reasoning" if item.type == "reasoning" else "tools"
-            raise Problem(
-                "unsupported_capability",
-                f"input[{index}] is a {item.type} item, which needs the '{needs}' capability this model lacks",
-                param=f"input[{index}]",
-            )
-        if not isinstance(item.content, str):
-            for j, part in enumerate(item.content):
-                if isinstance(part, UnsupportedContent):
-                    raise Problem(
-                        "unsupported_capability",
-                        f"content type {part.type!r} is not supported: LMSP 1.0 defines text only",
-                        param=f"input[{index}].content[{j}]",
-                    )
-        # Chat templates know system/user/assistant; OpenAI's `developer` role is the system prompt.
-        role = "system" if item.role == "developer" else item.role
-        messages.append({"role": role, "content": item.text()})
+    i = 0
+    while i < len(items):
+        item = items[i]
+        if isinstance(item, MessageItem) and item.role != "assistant":
+            _check_content(item, i)
+            # Chat templates know system/user/assistant; OpenAI's `developer` role is the system prompt.
+            messages.append({"role": "system" if item.role == "developer" else item.role, "content": item.text()})
+            i += 1
+            continue
+        j = i
+        if isinstance(item, FunctionCallOutputItem):
+            while j < len(items) and isinstance(items[j], FunctionCallOutputItem):
+                j += 1
+            outputs = items[i:j]
+            if native_tools:
+                messages += [{"role": "tool", "tool_call_id": o.call_id, "content": o.text()} for o in outputs]
+            else:
+                messages.append({"role": "user", "content": response_text([o.text() for o in outputs])})
+        else:
+            while j < len(items) and _assistant_side(items[j]):
+                _check_content(items[j], j)
+                j += 1
+            messages.append(_assistant_turn(items[i:j], native_tools, memory))
+        i = j
     if not messages:
         raise Problem("invalid_request", "input must contain at least one message", param="input")
+    if tools and not native_tools:
+        if messages[0]["role"] == "system":
+            messages[0] = {**messages[0], "content": messages[0]["content"] + "\n\n" + tool_prompt(list(tools))}
+        else:
+            messages.insert(0, {"role": "system", "content": tool_prompt(list(tools))})
     return messages
 
 
-def apply_template(tokenizer, messages: list[dict], add_generation_prompt: bool = True) -> str:
-    template = None if getattr(tokenizer, "chat_template", None) else FALLBACK_TEMPLATE
-    return tokenizer.apply_chat_template(
-        messages, add_generation_prompt=add_generation_prompt, tokenize=False, chat_template=template
+def _assistant_side(item: InputItem) -> bool:
+    return isinstance(item, (FunctionCallItem, ReasoningItem)) or (
+        isinstance(item, MessageItem) and item.role == "assistant"
     )
 
 
-def render(tokenizer, messages: list[dict]) -> Prompt:
+def _check_content(item: InputItem, index: int) -> None:
+    if isinstance(item, MessageItem) and not isinstance(item.content, str):
+        for j, part in enumerate(item.content):
+            if isinstance(part, UnsupportedContent):
+                raise Problem(
+                    "unsupported_capability",
+                    f"content type {part.type!r} is not supported: LMSP 1.0 defines text only",
+                    param=f"input[{index}].content[{j}]",
+                )
+
+
+def _assistant_turn(group: list[InputItem], native_tools: bool, memory: CallMemory | None) -> dict:
+    text = "".join(it.text() for it in group if isinstance(it, MessageItem))
+    reasoning = "\n".join(t for it in group if isinstance(it, ReasoningItem) and (t := it.text()))
+    calls = [it for it in group if isinstance(it, FunctionCallItem)]
+    sampled = next((t for c in calls if memory is not None and (t := memory.get(c.call_id))), None)
+    message: dict = {"role": "assistant", "content": text}
+    if sampled is not None:
+        message["content"] = sampled.visible
+    elif calls and native_tools:
+        message["tool_calls"] = [
+            {"id": c.call_id, "type": "function", "function": {"name": _qualified(c), "arguments": _json_or_text(c.arguments)}}
+            for c in calls
+        ]
+    elif calls:
+        message["content"] = "\n".join(([text] if text else []) + [call_text(_qualified(c), c.arguments) for c in calls])
+    if reasoning:
+        message["reasoning_content"] = reasoning  # templates that replay reasoning (Qwen3) read this
+    return message
+
+
+def _qualified(call: FunctionCallItem) -> str:
+    return f"{call.namespace}.{call.name}" if call.namespace else call.name
+
+
+def _json_or_text(arguments: str):
     try:
-        text = apply_template(tokenizer, messages)
+        return json.loads(arguments)
+    except ValueError:
+        return arguments
+
+
+def apply_template(tokenizer, messages: list[dict], add_generation_prompt: bool = True, tools: list[dict] | None = None) -> str:
+    template = None if getattr(tokenizer, "chat_template", None) else FALLBACK_TEMPLATE
+    extra = {"tools": tools} if tools else {}
+    return tokenizer.apply_chat_template(
+        messages, add_generation_prompt=add_generation_prompt, tokenize=False, chat_template=template, **extra
+    )
+
+
+def render(tokenizer, messages: list[dict], tools: list[dict] | None = None) -> Prompt:
+    """`tools`: the tool specs for templates that render tools themselves."""
+    try:
+        text = apply_template(tokenizer, messages, tools=tools)
     except Exception as exc:  # jinja raises on conversations the template forbids
         raise Problem("invalid_request", f"the model's chat template rejected the input: {exc}") from None
     try:
@@ -83,30 +165,32 @@ _FOLLOW_UPS = (("user", "\ue000a"), ("user", "\ue000b"), ("system", "\ue000c"))
 _REPLY_END = "\ue001"
 
 
-def turn_binding(tokenizer, messages: list[dict], reply: str, kv_after_reply: str) -> Binding | None:
+def turn_binding(tokenizer, messages: list[dict], kv_after_reply: str, tools: list[dict] | None = None) -> Binding | None:
     """The visible transcript of a finished turn and what its KV lacks to reach its end.
 
-    A client replays the turn as `messages` plus an assistant message with `reply`; the
-    template renders that followed by the next turn. The key is the text all follow-up
-    roles share (so it ends where the next turn's own text starts); a marker after the
-    reply shows where the reply ends inside it. The KV holds the sampled tokens, hidden
-    reasoning included, then `kv_after_reply` (the end-of-turn token if it was fed); the
-    tail is the rest of the key after that. None where the template does not render the
-    reply verbatim: such a turn is still found by token or text prefix."""
-    turn = messages + [{"role": "assistant", "content": reply}]
+    `messages` ends with the turn's assistant message as a client's replay renders it.
+    The template renders it followed by the next turn; the key is the text all follow-up
+    roles share (so it ends where the next turn's own text starts), and a marker after the
+    reply's content shows where that content ends inside it. The KV holds the sampled
+    tokens, hidden reasoning included, then `kv_after_reply` (the end-of-turn token if it
+    was fed); the tail is the rest of the key after that. None where the template does not
+    render the reply verbatim: such a turn is still found by token or text prefix."""
     renders = []
     for role, text in _FOLLOW_UPS:
         try:
-            renders.append(apply_template(tokenizer, turn + [{"role": role, "content": text}]))
+            renders.append(apply_template(tokenizer, messages + [{"role": role, "content": text}], tools=tools))
         except Exception:  # templates may refuse a role in that position
             continue
     if len(renders) < 2:
         return None
     key = os.path.commonprefix(renders)
+    reply = messages[-1]
     try:
         marked = apply_template(
-            tokenizer, messages + [{"role": "assistant", "content": reply + _REPLY_END},
-                                   {"role": "user", "content": _FOLLOW_UPS[0][1]}],
+            tokenizer,
+            messages[:-1] + [{**reply, "content": reply["content"] + _REPLY_END},
+                             {"role": "user", "content": _FOLLOW_UPS[0][1]}],
+            tools=tools,
         )
     except Exception:
         return None

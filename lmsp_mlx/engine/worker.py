@@ -16,13 +16,14 @@ import threading
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from ..cache.calls import CallMemory
 from ..cache.disk import CheckpointStore
 from ..cache.pool import Policy, SessionPool
 from ..protocol.problems import Problem
 from .events import Failed, Finished, GenerationEvent, TextDelta, Usage
 from .generate import Cancelled, GenerationParams, generate
 from .loader import LoadedModel, load_model
-from .render import turn_binding
+from .turn import Conversation, TurnOutput
 
 log = logging.getLogger("lmsp_mlx.engine")
 
@@ -33,7 +34,7 @@ class Job:
     route: str
     loop: asyncio.AbstractEventLoop
     text: str = ""  # the rendered prompt: what text-prefix lookups compare
-    messages: list[dict] = field(default_factory=list)  # for the turn's visible transcript
+    conv: Conversation | None = None  # the items behind the prompt: for the turn's visible transcript
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     _cancel: threading.Event = field(default_factory=threading.Event)
 
@@ -87,6 +88,7 @@ class Engine:
         self._model_id = model_id
         self._cache_settings = cache
         self.pool: SessionPool | None = None
+        self.calls = CallMemory()  # read by request handlers while they render (it has a lock)
         self._jobs: queue.Queue[Job | None] = queue.Queue(maxsize=max_queue)
         self._ready = threading.Event()
         self._error: Exception | None = None
@@ -130,8 +132,8 @@ class Engine:
     def busy(self) -> bool:
         return self._current is not None
 
-    def submit(self, params: GenerationParams, route: str, text: str = "", messages: list[dict] | None = None) -> Job:
-        job = Job(params=params, route=route, loop=asyncio.get_running_loop(), text=text, messages=messages or [])
+    def submit(self, params: GenerationParams, route: str, text: str = "", conv: Conversation | None = None) -> Job:
+        job = Job(params=params, route=route, loop=asyncio.get_running_loop(), text=text, conv=conv)
         try:
             self._jobs.put_nowait(job)
         except queue.Full:
@@ -162,7 +164,7 @@ class Engine:
         disk = None
         if cs.disk_dir is not None:
             try:
-                disk = CheckpointStore(cs.disk_dir, lm.fingerprint, cs.disk_bytes)
+                disk = CheckpointStore(cs.disk_dir, lm.fingerprint, cs.disk_bytes, calls=self.calls)
             except OSError as exc:
                 log.warning("kv disk %s unusable (%s): checkpoints are off", cs.disk_dir, exc)
         return SessionPool(lm.model, lm.tokenizer, cs.policy, disk)
@@ -175,20 +177,31 @@ class Engine:
             job.emit(Finished("cancelled", Usage(n, 0)))
             self._log(job, lm, "cancelled", Usage(n, 0), 0.0, 0.0, f" prefilled=0/{n}")
             return
-        start = pool.start(job.text, job.params.prompt, limit=lm.context_length - 1)
+        label = f"tool-output ids={len(job.conv.live_calls)}" if job.conv and job.conv.live_calls else None
+        start = pool.start(job.text, job.params.prompt, limit=lm.context_length - 1, label=label)
+        if label and start.source not in ("visible", "disk"):
+            # Its live state was replaced while it waited: a tool result alone cannot be
+            # prefilled cold (the model would never see its own call).
+            pool.abandon(start)
+            job.emit(Failed("the live state of these tool calls is gone (another request replaced it); "
+                            "send the full conversation instead", code="continuation_state_unavailable"))
+            self._log(job, lm, "failed", Usage(len(job.params.prompt), 0), 0.0, 0.0)
+            return
         params = replace(
             job.params, prompt=start.tokens, cached=start.cached,
             max_tokens=min(job.params.max_tokens, lm.context_length - len(start.tokens)),
         )
-        reply: list[str] = []
+        conv = job.conv or Conversation(items=[])
+        turn = TurnOutput(lm.tokenizer, conv, job.text, job.emit)
         sampled: list[int] = []
 
         def emit(event: GenerationEvent) -> None:
             if isinstance(event, TextDelta):
-                reply.append(event.text)
-            job.emit(event)
+                turn.feed(event.text)
+            else:
+                job.emit(event)
 
-        prompt_len, extra, binding = len(start.tokens), "", None
+        prompt_len, extra, binding, calls = len(start.tokens), "", None, None
         try:
             done = generate(lm, params, emit, lambda: job.cancelled, cache=start.session.cache, sampled=sampled)
         except Cancelled as stop:
@@ -200,12 +213,15 @@ class Engine:
             job.emit(Failed(f"generation failed: {type(exc).__name__}: {exc}"))
             self._log(job, lm, "failed", Usage(prompt_len, 0), 0.0, 0.0)
             return
+        if done.reason != "cancelled":
+            turn.finish()
         job.emit(done)
-        if done.reason != "cancelled" and job.messages:
+        if done.reason != "cancelled" and job.conv is not None:
+            calls = turn.remember(self.calls)
             ended = lm.tokenizer.decode(sampled[-1:]) if done.reason == "stop" else ""
-            binding = turn_binding(lm.tokenizer, job.messages, "".join(reply), ended)
+            binding = turn.binding(self.calls, ended)
         self._log(job, lm, _STATUS[done.reason], done.usage, done.prefill_tps, done.decode_tps, extra)
-        pool.finish(start, sampled, ok=True, binding=binding)
+        pool.finish(start, sampled, ok=True, binding=binding, calls=calls)
 
     def _log(self, job: Job, lm: LoadedModel, status: str, usage: Usage, prefill: float, decode: float, extra: str = "") -> None:
         c = self.counters

@@ -8,6 +8,7 @@ types are rejected, because silently dropping part of a conversation changes its
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
@@ -59,24 +60,91 @@ class FunctionCallItem(_Strict):
     name: str
     arguments: str
     id: str | None = None
+    namespace: str | None = None  # Codex: a function of a `namespace` tool group
+    status: str | None = None
 
 
 class FunctionCallOutputItem(_Strict):
     type: Literal["function_call_output"]
     call_id: str
     output: Any
+    id: str | None = None
+    status: str | None = None
+
+    def text(self) -> str:
+        """The output as the model reads it: strings as they are, content parts joined,
+        anything else as JSON."""
+        if isinstance(self.output, str):
+            return self.output
+        if isinstance(self.output, list) and all(isinstance(p, dict) and "text" in p for p in self.output):
+            return "".join(str(p["text"]) for p in self.output)
+        return json.dumps(self.output, ensure_ascii=False)
 
 
 class ReasoningItem(_Strict):
     type: Literal["reasoning"]
     summary: list[Any] = []
     id: str | None = None
+    content: list[Any] | None = None
+    encrypted_content: str | None = None
+
+    def text(self) -> str:
+        parts = (self.content or []) + self.summary
+        return "\n".join(str(p.get("text", "")) for p in parts if isinstance(p, dict))
 
 
 InputItem = Annotated[
     Union[MessageItem, FunctionCallItem, FunctionCallOutputItem, ReasoningItem],
     Field(discriminator="type"),
 ]
+
+
+class FunctionTool(_Strict):
+    type: Literal["function"]
+    name: Annotated[str, Field(pattern=r"^[A-Za-z0-9_.:-]{1,128}$")]
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+# Hosted tools OpenAI-style clients (Codex) list; on /v1 they are accepted and not offered.
+HOSTED_TOOL_TYPES = frozenset({
+    "web_search", "web_search_preview", "file_search", "code_interpreter", "computer_use_preview",
+    "image_generation", "local_shell", "mcp", "tool_search",
+})
+
+
+def function_tools(tools: list[dict[str, Any]] | None, *, compat: bool) -> list[FunctionTool]:
+    """The function tools a request offers, namespace groups flattened to `group.name`.
+
+    LMSP defines only `function`; anything else is 400 `unsupported_capability` naming the
+    type. On /v1 (`compat`) the hosted tool types are ignored (nothing here runs them)."""
+    out: list[FunctionTool] = []
+    for i, tool in enumerate(tools or []):
+        kind = tool.get("type") if isinstance(tool, dict) else None
+        where = f"tools[{i}]"
+        if kind == "function":
+            out.append(_tool(tool, where))
+        elif kind == "namespace" and compat and isinstance(tool.get("tools"), list):
+            for j, sub in enumerate(tool["tools"]):
+                if isinstance(sub, dict) and sub.get("type", "function") == "function":
+                    fn = _tool({**sub, "type": "function"}, f"{where}.tools[{j}]")
+                    out.append(fn.model_copy(update={"name": f"{tool.get('name')}.{fn.name}"}))
+        elif compat and kind in HOSTED_TOOL_TYPES:
+            continue
+        else:
+            raise Problem("unsupported_capability", f"tool type {kind!r} is not supported: only 'function' tools are",
+                          param=f"{where}.type")
+    return out
+
+
+def _tool(raw: dict[str, Any], where: str) -> FunctionTool:
+    try:
+        return FunctionTool.model_validate(raw)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        field = ".".join(str(p) for p in err["loc"])
+        raise Problem("invalid_request", f"{where}.{field}: {err['msg']}", param=f"{where}.{field}") from None
 
 
 class TextFormat(_Strict):

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, Literal, Union
 
 from pydantic import BaseModel
 
@@ -19,6 +19,32 @@ class MessageOutput(BaseModel):
     type: Literal["message"] = "message"
     role: Literal["assistant"] = "assistant"
     content: list[OutputTextPart]
+
+
+class FunctionCallOutput(BaseModel):
+    """A call the model made (section 6.5); `arguments` is a JSON-encoded string."""
+
+    id: str
+    type: Literal["function_call"] = "function_call"
+    call_id: str
+    name: str
+    arguments: str
+
+
+class SummaryText(BaseModel):
+    type: Literal["summary_text"] = "summary_text"
+    text: str
+
+
+class ReasoningOutput(BaseModel):
+    """The model's reasoning (section 6.2): here the reasoning text itself, not a summary."""
+
+    id: str
+    type: Literal["reasoning"] = "reasoning"
+    summary: list[SummaryText]
+
+
+OutputItem = Union[MessageOutput, FunctionCallOutput, ReasoningOutput]
 
 
 class InputTokensDetails(BaseModel):
@@ -44,10 +70,32 @@ class ResponseObject(BaseModel):
     created_at: int
     status: Status
     model: str
-    output: list[MessageOutput]
+    output: list[OutputItem]
     usage: ResponseUsage | None
     error: dict[str, Any] | None = None
     incomplete_details: IncompleteDetails | None = None
+
+
+def v1_item(item: OutputItem, status: str) -> dict[str, Any]:
+    """An output item in the OpenAI / Open Responses shape."""
+    if isinstance(item, FunctionCallOutput):
+        out = {"id": item.id, "type": "function_call", "status": status, "call_id": item.call_id,
+               "name": item.name, "arguments": item.arguments}
+        if "." in item.name:  # a function of a Codex `namespace` group
+            out["namespace"], out["name"] = item.name.split(".", 1)
+        return out
+    if isinstance(item, ReasoningOutput):
+        return {"id": item.id, "type": "reasoning", "status": status, "encrypted_content": None,
+                "summary": [p.model_dump() for p in item.summary]}
+    return {
+        "id": item.id,
+        "type": "message",
+        "role": "assistant",
+        "status": status,
+        "content": [
+            {"type": "output_text", "text": part.text, "annotations": [], "logprobs": []} for part in item.content
+        ],
+    }
 
 
 def v1_response(resp: ResponseObject, request: Any, completed_at: int | None) -> dict[str, Any]:
@@ -55,19 +103,7 @@ def v1_response(resp: ResponseObject, request: Any, completed_at: int | None) ->
     item_status = "completed" if resp.status == "completed" else (
         "in_progress" if resp.status == "in_progress" else "incomplete"
     )
-    output = [
-        {
-            "id": item.id,
-            "type": "message",
-            "role": "assistant",
-            "status": item_status,
-            "content": [
-                {"type": "output_text", "text": part.text, "annotations": [], "logprobs": []}
-                for part in item.content
-            ],
-        }
-        for item in resp.output
-    ]
+    output = [v1_item(item, item_status) for item in resp.output]
     usage = None
     if resp.usage is not None:
         usage = {**resp.usage.model_dump(), "output_tokens_details": {"reasoning_tokens": 0}}
@@ -100,8 +136,8 @@ def v1_response(resp: ResponseObject, request: Any, completed_at: int | None) ->
         "presence_penalty": 0.0,
         "frequency_penalty": 0.0,
         "text": {"format": {"type": "text"}},
-        "tool_choice": "auto",
-        "tools": [],
+        "tool_choice": request.tool_choice or "auto",
+        "tools": request.tools or [],
         "truncation": "disabled",
         "service_tier": "default",
         "prompt_cache_key": None,

@@ -6,6 +6,7 @@ from quart import Blueprint
 
 from .. import LMSP_VERSION, __version__
 from ..protocol.problems import Problem
+from ..protocol.responses import FunctionCallOutput
 from .run import ResponseRun, start_run
 from .sse import LmspEvents, sse_response
 from .state import state
@@ -54,21 +55,28 @@ async def get_response(response_id: str):
 
 
 async def stream_lmsp(run: ResponseRun):
-    """Section 6.3: created, item added, text deltas, item done, exactly one final event."""
+    """Section 6.3: created, then per output item its added event, deltas and done event
+    (section 6.5's argument events for calls), then exactly one final event."""
     event = LmspEvents(run.id)
     try:
         yield event("response.created", status="in_progress")
-        item = {"id": run.message_id, "type": "message", "role": "assistant", "content": []}
-        yield event("response.output_item.added", output_index=0, item=item)
-        async for delta in run.deltas():
-            yield event(
-                "response.output_text.delta",
-                item_id=run.message_id, output_index=0, content_index=0, delta=delta,
-            )
+        async for e in run.events():
+            where = {"item_id": e.item.id, "output_index": e.index}
+            if e.kind == "added":
+                yield event("response.output_item.added", output_index=e.index, item=e.item.model_dump())
+            elif e.kind == "text":
+                yield event("response.output_text.delta", **where, content_index=0, delta=e.delta)
+            elif e.kind == "reasoning":
+                yield event("response.reasoning_summary_text.delta", **where, summary_index=0, delta=e.delta)
+            elif e.kind == "arguments":
+                yield event("response.function_call_arguments.delta", **where, delta=e.delta)
+            elif e.kind == "done":
+                if isinstance(e.item, FunctionCallOutput):
+                    yield event("response.function_call_arguments.done", **where, arguments=e.item.arguments)
+                yield event("response.output_item.done", output_index=e.index, item=e.item.model_dump())
         if run.status == "cancelled":
             yield event("response.cancelled", status="cancelled")
             return
-        yield event("response.output_item.done", output_index=0, item=run.message().model_dump())
         resp = run.response()
         usage = resp.usage.model_dump() if resp.usage else None
         if run.status == "completed":

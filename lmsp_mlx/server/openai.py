@@ -9,7 +9,8 @@ from __future__ import annotations
 from quart import Blueprint
 
 from ..protocol.problems import Problem
-from ..protocol.responses import v1_response
+from ..protocol.responses import MessageOutput, ReasoningOutput, v1_item, v1_response
+from .items import ItemEvent
 from .run import ResponseRun, start_run
 from .sse import OpenResponsesEvents, sse_response
 from .state import state
@@ -43,8 +44,9 @@ async def create_response():
 
 
 async def stream_v1(run: ResponseRun):
+    """Open Responses order: created, in_progress; per item its added event, part events,
+    deltas, done events; then the final response event and `[DONE]`."""
     event = OpenResponsesEvents()
-    item_id = run.message_id
 
     def snapshot():
         return v1_response(run.response(), run.req, run.completed_at)
@@ -52,32 +54,53 @@ async def stream_v1(run: ResponseRun):
     try:
         yield event("response.created", response=snapshot())
         yield event("response.in_progress", response=snapshot())
-        item = {"id": item_id, "type": "message", "role": "assistant", "status": "in_progress", "content": []}
-        yield event("response.output_item.added", output_index=0, item=item)
-        empty = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
-        yield event("response.content_part.added", item_id=item_id, output_index=0, content_index=0, part=empty)
-        async for delta in run.deltas():
-            yield event(
-                "response.output_text.delta",
-                item_id=item_id, output_index=0, content_index=0, delta=delta, logprobs=[],
-            )
+        async for e in run.events():
+            for name, fields in v1_item_events(e):
+                yield event(name, **fields)
         if run.status == "cancelled":  # only a shutdown cancels a run someone still reads
             yield event("error", code="cancelled", message="the server is shutting down", param=None)
             yield OpenResponsesEvents.DONE
             return
-        final = snapshot()
-        done_item = final["output"][0] if final["output"] else {**item, "status": "incomplete"}
-        part = done_item["content"][0] if done_item["content"] else empty
-        yield event(
-            "response.output_text.done",
-            item_id=item_id, output_index=0, content_index=0, text=part["text"], logprobs=[],
-        )
-        yield event("response.content_part.done", item_id=item_id, output_index=0, content_index=0, part=part)
-        yield event("response.output_item.done", output_index=0, item=done_item)
         kind = {"completed": "response.completed", "incomplete": "response.incomplete"}.get(
             run.status, "response.failed"
         )
-        yield event(kind, response=final)
+        yield event(kind, response=snapshot())
         yield OpenResponsesEvents.DONE
     finally:
         run.cancel()
+
+
+def v1_item_events(e: ItemEvent) -> list[tuple[str, dict]]:
+    where = {"item_id": e.item.id, "output_index": e.index}
+    if e.kind == "added":
+        out = [("response.output_item.added", {"output_index": e.index, "item": v1_item(e.item, "in_progress")})]
+        if isinstance(e.item, MessageOutput):
+            out.append(("response.content_part.added", {**where, "content_index": 0, "part": _text_part("")}))
+        elif isinstance(e.item, ReasoningOutput):
+            out.append(("response.reasoning_summary_part.added",
+                        {**where, "summary_index": 0, "part": {"type": "summary_text", "text": ""}}))
+        return out
+    if e.kind == "text":
+        return [("response.output_text.delta", {**where, "content_index": 0, "delta": e.delta, "logprobs": []})]
+    if e.kind == "reasoning":
+        return [("response.reasoning_summary_text.delta", {**where, "summary_index": 0, "delta": e.delta})]
+    if e.kind == "arguments":
+        return [("response.function_call_arguments.delta", {**where, "delta": e.delta})]
+    out = []
+    if isinstance(e.item, MessageOutput):
+        text = e.item.content[0].text if e.item.content else ""
+        out += [("response.output_text.done", {**where, "content_index": 0, "text": text, "logprobs": []}),
+                ("response.content_part.done", {**where, "content_index": 0, "part": _text_part(text)})]
+    elif isinstance(e.item, ReasoningOutput):
+        text = e.item.summary[0].text if e.item.summary else ""
+        out += [("response.reasoning_summary_text.done", {**where, "summary_index": 0, "text": text}),
+                ("response.reasoning_summary_part.done",
+                 {**where, "summary_index": 0, "part": {"type": "summary_text", "text": text}})]
+    else:
+        out.append(("response.function_call_arguments.done", {**where, "arguments": e.item.arguments}))
+    out.append(("response.output_item.done", {"output_index": e.index, "item": v1_item(e.item, "completed")}))
+    return out
+
+
+def _text_part(text: str) -> dict:
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}

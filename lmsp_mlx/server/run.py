@@ -11,21 +11,16 @@ import asyncio
 import time
 from typing import AsyncIterator
 
-from ..engine.events import Failed, Finished, TextDelta
+from ..engine.events import Failed, Finished
 from ..engine.generate import GenerationParams
-from ..engine.render import render, to_chat_messages
+from ..engine.render import Prompt, render
 from ..engine.worker import Engine
 from ..protocol.ids import new_id
 from ..protocol.problems import Problem
 from ..protocol.requests import ResponsesRequest
-from ..protocol.responses import (
-    IncompleteDetails,
-    InputTokensDetails,
-    MessageOutput,
-    OutputTextPart,
-    ResponseObject,
-    ResponseUsage,
-)
+from ..protocol.responses import IncompleteDetails, InputTokensDetails, ResponseObject, ResponseUsage
+from .conversation import prepare
+from .items import ItemEvent, ItemFolder
 
 
 def check_capabilities(req: ResponsesRequest, capabilities: tuple[str, ...]) -> None:
@@ -40,13 +35,6 @@ def check_capabilities(req: ResponsesRequest, capabilities: tuple[str, ...]) -> 
             "unsupported_capability",
             f"response_format {fmt_type!r} needs the 'structured_output' capability this model lacks",
             param=where,
-        )
-    wants_tools = bool(req.tools) or req.tool_choice not in (None, "auto", "none")
-    if wants_tools and "tools" not in capabilities:
-        raise Problem(
-            "unsupported_capability",
-            "tools need the 'tools' capability this model lacks",
-            param="tools" if req.tools else "tool_choice",
         )
     if req.previous_response_id is not None and "conversations" not in capabilities:
         raise Problem(
@@ -68,11 +56,10 @@ class ResponseRun:
         self.route = route
         self.prefill_step = prefill_step
         self.id = new_id("resp")
-        self.message_id = new_id("msg")
         self.created_at = int(time.time())
         self.completed_at: int | None = None
         self.status = "in_progress"
-        self.text: list[str] = []
+        self.folder = ItemFolder()
         self.usage: ResponseUsage | None = None
         self.incomplete_reason: str | None = None
         self.error: dict | None = None
@@ -82,8 +69,12 @@ class ResponseRun:
     async def start(self) -> None:
         """Render and measure the prompt (off the event loop), then queue the job."""
         lm = self.engine.model
-        messages = to_chat_messages(self.req.items(), self.req.instructions)
-        prompt = await asyncio.to_thread(render, lm.tokenizer, messages)
+        conv, forced = prepare(self.req, self.route, lm.tokenizer, self.engine.calls, "reasoning" in lm.capabilities)
+        messages = conv.messages(self.engine.calls)
+        prompt = await asyncio.to_thread(render, lm.tokenizer, messages, conv.template_tools())
+        if forced:  # the reply starts inside a call; its text is tokenized on its own, as a suffix
+            conv.forced = forced
+            prompt = Prompt(prompt.text + forced, prompt.tokens + lm.tokenizer.encode(forced, add_special_tokens=False))
         n, ctx = len(prompt.tokens), lm.context_length
         if n >= ctx:
             raise Problem(
@@ -101,15 +92,14 @@ class ResponseRun:
             top_p=1.0 if self.req.top_p is None else self.req.top_p,
             prefill_step=self.prefill_step,
         )
-        self.job = self.engine.submit(params, self.route, text=prompt.text, messages=messages)
+        self.job = self.engine.submit(params, self.route, text=prompt.text, conv=conv)
 
-    async def deltas(self) -> AsyncIterator[str]:
-        """The text pieces as the worker produces them; the final state is set at the end."""
+    async def events(self) -> AsyncIterator[ItemEvent]:
+        """Item-level events as the worker produces them; the final state is set at the end."""
         async for event in self.job.stream():
-            if isinstance(event, TextDelta):
-                self.text.append(event.text)
-                yield event.text
-            elif isinstance(event, Finished):
+            if isinstance(event, Finished):
+                for e in self.folder.close(ensure_message=event.reason != "cancelled"):
+                    yield e
                 u = event.usage
                 self.usage = ResponseUsage(
                     input_tokens=u.input_tokens, output_tokens=u.output_tokens, total_tokens=u.total_tokens,
@@ -124,7 +114,10 @@ class ResponseRun:
                     self.status = "completed"
             elif isinstance(event, Failed):
                 self.status = "failed"
-                self.error = Problem("internal_error", event.message).document()
+                self.error = Problem(event.code, event.message).document()
+            else:
+                for e in self.folder.feed(event):
+                    yield e
         self.completed_at = int(time.time())
 
     def cancel(self) -> None:
@@ -132,30 +125,27 @@ class ResponseRun:
         if self.job is not None and self.status == "in_progress":
             self.job.cancel()
 
-    def message(self) -> MessageOutput:
-        return MessageOutput(id=self.message_id, content=[OutputTextPart(text="".join(self.text))])
-
     def response(self) -> ResponseObject:
         return ResponseObject(
             id=self.id,
             created_at=self.created_at,
             status=self.status,
             model=self.req.model,
-            output=[self.message()] if self.status != "in_progress" else [],
+            output=self.folder.snapshot() if self.status != "in_progress" else [],
             usage=self.usage,
             error=self.error,
             incomplete_details=IncompleteDetails(reason=self.incomplete_reason) if self.incomplete_reason else None,
         )
 
     async def run_to_end(self) -> ResponseObject:
-        """Synchronous mode; a failed generation is a 500 problem, not a response object."""
+        """Synchronous mode; a failed generation is a problem document, not a response object."""
         try:
-            async for _ in self.deltas():
+            async for _ in self.events():
                 pass
         finally:
             self.cancel()
         if self.status == "failed":
-            raise Problem("internal_error", self.error["detail"])
+            raise Problem(self.error["code"], self.error["detail"])
         return self.response()
 
 

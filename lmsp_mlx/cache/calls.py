@@ -1,0 +1,41 @@
+"""What the server remembers of recent tool-call turns, by call id.
+
+For each turn that made calls: the visible text exactly as sampled (call markup included)
+and the conversation items through that turn. A replay that carries those call ids is
+rendered with the sampled text (exact replay), so it matches the live KV byte for byte;
+a request that sends only the tool outputs is expanded to the whole conversation.
+Written by the worker after a turn, read by request handlers while they render: the one
+piece of KV-related state shared across threads, behind a lock.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class CallTurn:
+    call_ids: tuple[str, ...]
+    visible: str  # the turn's sampled text after any reasoning, call markup included
+    items: tuple  # the conversation's input items through this turn's output, as JSON dicts
+
+
+class CallMemory:
+    def __init__(self, capacity: int = 4096) -> None:
+        self._turns: OrderedDict[str, CallTurn] = OrderedDict()
+        self._lock = threading.Lock()
+        self.capacity = capacity
+
+    def remember(self, turn: CallTurn) -> None:
+        with self._lock:
+            for call_id in turn.call_ids:
+                self._turns[call_id] = turn
+                self._turns.move_to_end(call_id)
+            while len(self._turns) > self.capacity:
+                self._turns.popitem(last=False)
+
+    def get(self, call_id: str) -> CallTurn | None:
+        with self._lock:
+            return self._turns.get(call_id)

@@ -1,0 +1,150 @@
+"""The model's streamed text, split into reasoning, visible text and tool calls.
+
+Markers come from the tokenizer where mlx-lm knows them (`think_start`/`think_end`,
+`tool_call_start`/`tool_call_end` and the model's own `tool_parser`); models without
+them use `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, the format the
+project's tool prompt asks for (see `tools.py`). Text that could be the start of a marker
+is held back until the next piece decides. A call that does not parse, or names a
+function the request did not offer, stays visible text and is logged: never a 500, never
+an invented call.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from mlx_lm.tool_parsers import json_tools
+
+from .events import ReasoningDelta, TextDelta
+
+log = logging.getLogger("lmsp_mlx.engine")
+
+DEFAULT_CALL = ("<tool_call>", "</tool_call>")
+
+
+@dataclass(frozen=True)
+class ParsedCall:
+    name: str
+    arguments: str  # JSON text
+
+
+@dataclass(frozen=True)
+class OutputFormat:
+    think: tuple[str, str] | None
+    call: tuple[str, str]
+    parse: Callable[[str, Any], Any]
+
+    @classmethod
+    def of(cls, tokenizer) -> "OutputFormat":
+        think = (tokenizer.think_start, tokenizer.think_end) if getattr(tokenizer, "has_thinking", False) else None
+        if getattr(tokenizer, "has_tool_calling", False) and tokenizer.tool_call_start:
+            end = tokenizer.tool_call_end or ""
+            return cls(think, (tokenizer.tool_call_start, end), tokenizer.tool_parser)
+        return cls(think, DEFAULT_CALL, json_tools.parse_tool_call)
+
+    def opens_in_reasoning(self, prompt_text: str) -> bool:
+        """Templates that open the think block in the generation prompt (it ends with the
+        opening tag) start the reply inside the reasoning."""
+        return self.think is not None and prompt_text.rstrip().endswith(self.think[0])
+
+
+@dataclass
+class OutputParser:
+    fmt: OutputFormat
+    tools: dict[str, Any] | None  # name -> tool; None: calls are not parsed (tool_choice none)
+    state: str = "text"  # text | reasoning | call
+    visible: list[str] = field(default_factory=list)  # everything outside reasoning, markup included
+    _buf: str = ""
+
+    def feed(self, piece: str) -> list:
+        self._buf += piece
+        return self._drain(final=False)
+
+    def finish(self) -> list:
+        return self._drain(final=True)
+
+    def _markers(self) -> list[str]:
+        if self.state == "reasoning":
+            return [self.fmt.think[1]]
+        marks = [self.fmt.call[0]] if self.tools is not None else []
+        return marks + ([self.fmt.think[0]] if self.fmt.think else [])
+
+    def _drain(self, final: bool) -> list:
+        out: list = []
+        while True:
+            if self.state == "call":
+                close = self.fmt.call[1]
+                end = self._buf.find(close) if close else -1
+                if end < 0:
+                    if not final:
+                        return out
+                    if close:  # the turn ended inside a call: it stays text
+                        log.warning("tool call not closed before the turn ended; kept as text")
+                        out.append(self._text(self.fmt.call[0] + self._buf))
+                        self._buf = ""
+                        return out
+                    end = len(self._buf)  # formats without a closing marker end with the turn
+                body, self._buf = self._buf[:end], self._buf[end + len(close):]
+                self.state = "text"
+                out += self._calls(body)
+                continue
+            hits = [(i, m) for m in self._markers() if (i := self._buf.find(m)) >= 0]
+            if hits:
+                i, marker = min(hits)
+                out.append(self._piece(self._buf[:i]))
+                self._buf = self._buf[i + len(marker):]
+                if self.state == "reasoning":
+                    self.state = "text"
+                elif marker == self.fmt.call[0] and self.tools is not None:
+                    self.state = "call"
+                else:
+                    self.state = "reasoning"
+                continue
+            keep = 0 if final else _held_back(self._buf, self._markers())
+            out.append(self._piece(self._buf[: len(self._buf) - keep]))
+            self._buf = self._buf[len(self._buf) - keep:]
+            return [e for e in out if e is not None]
+
+    def _piece(self, text: str):
+        if not text:
+            return None
+        return ReasoningDelta(text) if self.state == "reasoning" else self._text(text)
+
+    def _text(self, text: str) -> TextDelta:
+        self.visible.append(text)
+        return TextDelta(text)
+
+    def _calls(self, body: str) -> list:
+        raw = self.fmt.call[0] + body + self.fmt.call[1]
+        try:
+            parsed = self.fmt.parse(body, list(self.tools.values()))
+            calls = parsed if isinstance(parsed, list) else [parsed]
+            result = []
+            for call in calls:
+                name, args = call["name"], call.get("arguments", {})
+                if name not in self.tools:
+                    raise ValueError(f"the request offers no function {name!r}")
+                if isinstance(args, str):
+                    args = json.loads(args)
+                if not isinstance(args, dict):
+                    raise ValueError("arguments are not a JSON object")
+                result.append(ParsedCall(name, json.dumps(args, ensure_ascii=False)))
+        except Exception as exc:  # any malformed call is the model's text, not an error
+            log.warning("malformed tool call kept as text: %s: %.200s", exc, body)
+            return [self._text(raw)]
+        self.visible.append(raw)
+        return result
+
+
+def _held_back(buf: str, markers: list[str]) -> int:
+    """Length of the longest end of `buf` that could begin a marker."""
+    best = 0
+    for m in markers:
+        for k in range(min(len(m) - 1, len(buf)), 0, -1):
+            if m.startswith(buf[-k:]):
+                best = max(best, k)
+                break
+    return best

@@ -1,0 +1,97 @@
+"""One turn between the sampled text and the protocol: reasoning, text and tool calls out,
+and what the turn leaves behind for the next one (remembered calls, visible transcript)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+from ..cache.calls import CallMemory, CallTurn
+from ..cache.session import Binding
+from ..protocol.ids import new_id
+from ..protocol.requests import FunctionCallItem, FunctionTool, InputItem, MessageItem, ReasoningItem
+from .events import GenerationEvent, ReasoningDelta, TextDelta, ToolCall
+from .output import OutputFormat, OutputParser, ParsedCall
+from .render import to_chat_messages, turn_binding
+from .tools import tool_specs
+
+
+@dataclass
+class Conversation:
+    """What a job carries besides token ids: enough to render the turn as a replay."""
+
+    items: list[InputItem]
+    instructions: str | None = None
+    tools: list[FunctionTool] = field(default_factory=list)  # offered to the model; none: calls not parsed
+    native_tools: bool = False
+    live_calls: tuple[str, ...] = ()  # a tool-output-only request: the live calls it continues
+    forced: str = ""  # the reply's forced opening (tool_choice required / named): already in the prompt
+
+    def messages(self, memory: CallMemory | None, more: list[InputItem] = ()) -> list[dict]:
+        return to_chat_messages(
+            self.items + list(more), self.instructions, tools=self.tools, native_tools=self.native_tools, memory=memory
+        )
+
+    def template_tools(self) -> list[dict] | None:
+        return tool_specs(self.tools) if self.tools and self.native_tools else None
+
+
+class TurnOutput:
+    """Feeds the sampled text through the parser and re-emits protocol-level events."""
+
+    def __init__(self, tokenizer, conv: Conversation, prompt_text: str, emit: Callable[[GenerationEvent], None]):
+        fmt = OutputFormat.of(tokenizer)
+        tools = {t.name: t for t in conv.tools} if conv.tools else None
+        self.parser = OutputParser(fmt, tools, state="reasoning" if fmt.opens_in_reasoning(prompt_text) else "text")
+        self.tokenizer = tokenizer
+        self.conv = conv
+        self._emit = emit
+        self.reasoning: list[str] = []
+        self.text: list[str] = []
+        self.calls: list[ToolCall] = []
+        if conv.forced:  # the prompt ends inside a call: the parser must know its opening
+            self._send(self.parser.feed(conv.forced))
+
+    def feed(self, piece: str) -> None:
+        self._send(self.parser.feed(piece))
+
+    def finish(self) -> None:
+        self._send(self.parser.finish())
+
+    def _send(self, events: list) -> None:
+        for e in events:
+            if isinstance(e, ParsedCall):
+                e = ToolCall(id=new_id("fc"), call_id=new_id("call"), name=e.name, arguments=e.arguments)
+                self.calls.append(e)
+            elif isinstance(e, ReasoningDelta):
+                self.reasoning.append(e.text)
+            elif isinstance(e, TextDelta):
+                self.text.append(e.text)
+            self._emit(e)
+
+    def output_items(self) -> list[InputItem]:
+        """This turn's output as a client replays it."""
+        items: list[InputItem] = []
+        if self.reasoning:
+            items.append(ReasoningItem(type="reasoning", summary=[{"type": "summary_text", "text": "".join(self.reasoning)}]))
+        text = "".join(self.text)
+        if text.strip() or not self.calls:
+            items.append(MessageItem(role="assistant", content=text))
+        for c in self.calls:
+            namespace, _, name = c.name.rpartition(".")
+            items.append(FunctionCallItem(type="function_call", call_id=c.call_id, name=name,
+                                          namespace=namespace or None, arguments=c.arguments, id=c.id))
+        return items
+
+    def remember(self, memory: CallMemory) -> CallTurn | None:
+        """Keep the turn's sampled text for exact replay, by each of its call ids."""
+        if not self.calls:
+            return None
+        items = tuple(i.model_dump(exclude_none=True) for i in self.conv.items + self.output_items())
+        turn = CallTurn(tuple(c.call_id for c in self.calls), "".join(self.parser.visible), items)
+        memory.remember(turn)
+        return turn
+
+    def binding(self, memory: CallMemory, ended: str) -> Binding | None:
+        messages = self.conv.messages(memory, self.output_items())
+        return turn_binding(self.tokenizer, messages, ended, tools=self.conv.template_tools())

@@ -1,0 +1,101 @@
+"""The worker's events folded into output items, as item-level events the routes frame.
+
+A message or reasoning item opens at its first delta and closes when another item starts
+or the turn ends; a tool call arrives whole. Whitespace that precedes another item (the
+newline between two calls) is not worth a message of its own and is dropped.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..engine.events import ReasoningDelta, TextDelta, ToolCall
+from ..protocol.ids import new_id
+from ..protocol.responses import (
+    FunctionCallOutput,
+    MessageOutput,
+    OutputItem,
+    OutputTextPart,
+    ReasoningOutput,
+    SummaryText,
+)
+
+
+@dataclass(frozen=True)
+class ItemEvent:
+    kind: str  # added | text | reasoning | arguments | done
+    index: int
+    item: OutputItem
+    delta: str = ""
+
+
+class ItemFolder:
+    def __init__(self) -> None:
+        self.items: list[OutputItem] = []
+        self._open: int | None = None
+        self._parts: list[str] = []
+        self._held = ""  # whitespace waiting for more text
+
+    def feed(self, event) -> list[ItemEvent]:
+        if isinstance(event, TextDelta):
+            return self._delta(MessageOutput, "text", event.text)
+        if isinstance(event, ReasoningDelta):
+            return self._delta(ReasoningOutput, "reasoning", event.text)
+        if isinstance(event, ToolCall):
+            out = self.close()
+            item = FunctionCallOutput(id=event.id, call_id=event.call_id, name=event.name, arguments=event.arguments)
+            self.items.append(item)
+            i = len(self.items) - 1
+            start = item.model_copy(update={"arguments": ""})
+            return out + [ItemEvent("added", i, start), ItemEvent("arguments", i, start, event.arguments),
+                          ItemEvent("done", i, item)]
+        return []
+
+    def _delta(self, kind: type, name: str, text: str) -> list[ItemEvent]:
+        out: list[ItemEvent] = []
+        if self._open is None or not isinstance(self.items[self._open], kind):
+            if not text.strip():  # nothing to show yet
+                self._held += text
+                return out
+            out += self.close()
+            item = (MessageOutput(id=new_id("msg"), content=[]) if kind is MessageOutput
+                    else ReasoningOutput(id=new_id("rs"), summary=[]))
+            self.items.append(item)
+            self._open = len(self.items) - 1
+            out.append(ItemEvent("added", self._open, item))
+            text, self._held = self._held + text, ""
+        self._parts.append(text)
+        out.append(ItemEvent(name, self._open, self.items[self._open], text))
+        return out
+
+    def close(self, ensure_message: bool = False) -> list[ItemEvent]:
+        """End the open item; at the turn's end (`ensure_message`) a reply with no item at
+        all still gets an (empty) message."""
+        self._held = ""
+        out: list[ItemEvent] = []
+        if self._open is not None:
+            i, text = self._open, "".join(self._parts)
+            item = self.items[i]
+            if isinstance(item, MessageOutput):
+                item = item.model_copy(update={"content": [OutputTextPart(text=text)]})
+            else:
+                item = item.model_copy(update={"summary": [SummaryText(text=text)]})
+            self.items[i] = item
+            self._open, self._parts = None, []
+            out.append(ItemEvent("done", i, item))
+        if ensure_message and not self.items:
+            item = MessageOutput(id=new_id("msg"), content=[OutputTextPart(text="")])
+            self.items.append(item)
+            out += [ItemEvent("added", 0, item.model_copy(update={"content": []})), ItemEvent("done", 0, item)]
+        return out
+
+    def snapshot(self) -> list[OutputItem]:
+        """The items so far, the open one with its text so far (for in-progress objects)."""
+        items = list(self.items)
+        if self._open is not None:
+            text = "".join(self._parts)
+            item = items[self._open]
+            items[self._open] = (item.model_copy(update={"content": [OutputTextPart(text=text)]})
+                                 if isinstance(item, MessageOutput)
+                                 else item.model_copy(update={"summary": [SummaryText(text=text)]}))
+        return items

@@ -1,0 +1,192 @@
+"""Function tools (section 6.5) through a real server: calls out, results in, and the turn
+after a call continuing the live KV with only the tool result prefilled.
+
+The scripted model reasons (" the"), then calls get_weather and get_time in one turn,
+every turn, whatever it is told: the tests are about the protocol and the KV, not wit.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from pathlib import Path
+
+import httpx
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+from tiny_model import CALLS, TOOL_SCRIPT, build_scripted_model  # noqa: E402
+
+TOOLS = [
+    {"type": "function", "name": "get_weather", "description": "Weather in a city.",
+     "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}},
+    {"type": "function", "name": "get_time", "description": "Time in a zone.",
+     "parameters": {"type": "object", "properties": {"zone": {"type": "string"}}}},
+]
+QUESTION = {"role": "user", "content": "Weather and time in Paris?"}
+
+
+@pytest.fixture(scope="session")
+def caller_dir(tmp_path_factory) -> Path:
+    return build_scripted_model(tmp_path_factory.mktemp("models") / "caller", script=TOOL_SCRIPT, words=CALLS)
+
+
+@pytest.fixture
+def caller(start_server, caller_dir):
+    return start_server("--model", str(caller_dir), "--model-id", "tiny")
+
+
+def post(server, body: dict, route: str = "/lmsp/v1/responses") -> httpx.Response:
+    return httpx.post(server.url + route, json={"model": "tiny", "temperature": 0, "max_output_tokens": 40, **body},
+                      timeout=120)
+
+
+def outputs_for(calls: list[dict]) -> list[dict]:
+    return [{"type": "function_call_output", "call_id": c["call_id"], "output": json.dumps({"ok": c["name"]})}
+            for c in calls]
+
+
+def cached(resp: dict) -> int:
+    return resp["usage"]["input_tokens_details"]["cached_tokens"]
+
+
+def sources(server) -> list[str]:
+    return re.findall(r"cache_source=(\S+(?: ids=\d+)?) cached", server.log())
+
+
+def test_a_turn_with_reasoning_and_two_calls(caller):
+    resp = post(caller, {"input": [QUESTION], "tools": TOOLS}).json()
+    assert resp["status"] == "completed"
+    kinds = [item["type"] for item in resp["output"]]
+    assert kinds == ["reasoning", "function_call", "function_call"]
+    assert resp["output"][0]["summary"] == [{"type": "summary_text", "text": " the"}]
+    weather, time_ = resp["output"][1:]
+    assert (weather["name"], json.loads(weather["arguments"])) == ("get_weather", {"city": "Paris"})
+    assert (time_["name"], json.loads(time_["arguments"])) == ("get_time", {"zone": "CET"})
+    assert weather["id"].startswith("fc_") and weather["call_id"].startswith("call_")
+    assert weather["call_id"] != time_["call_id"]
+
+
+def test_the_turn_after_the_calls_prefills_only_the_tool_results(caller):
+    first = post(caller, {"input": [QUESTION], "tools": TOOLS}).json()
+    held = first["usage"]["input_tokens"] + first["usage"]["output_tokens"] + 1  # + the end-of-turn token
+    calls = [i for i in first["output"] if i["type"] == "function_call"]
+    # Stateless replay of everything, reasoning item included (what the OpenAI SDK's docs say).
+    replay = post(caller, {"input": [QUESTION, *first["output"], *outputs_for(calls)], "tools": TOOLS}).json()
+    assert cached(replay) == held
+    results = "".join(o["output"] for o in outputs_for(calls))
+    # Prefilled: the two results and their markup (this tokenizer has almost one token per byte).
+    assert replay["usage"]["input_tokens"] - cached(replay) < len(results) + 100
+    # Tool-output-only: the live turn is found by call id.
+    calls2 = [i for i in replay["output"] if i["type"] == "function_call"]
+    held2 = replay["usage"]["input_tokens"] + replay["usage"]["output_tokens"] + 1
+    only = post(caller, {"input": outputs_for(calls2), "tools": TOOLS}).json()
+    assert cached(only) == held2
+    assert sources(caller) == ["cold", "visible", "tool-output ids=2"]
+
+
+def test_exact_replay_renders_the_sampled_call_text(caller, caller_dir):
+    from lmsp_mlx.cache.calls import CallMemory, CallTurn
+    from lmsp_mlx.engine.render import to_chat_messages
+    from lmsp_mlx.protocol.requests import parse_request
+
+    first = post(caller, {"input": [QUESTION], "tools": TOOLS}).json()
+    calls = [i for i in first["output"] if i["type"] == "function_call"]
+    items = parse_request({"model": "tiny", "input": [QUESTION, *calls]}).items()
+    # Without the server's memory the calls are re-serialised; with it, byte-identical.
+    memory = CallMemory()
+    memory.remember(CallTurn(tuple(c["call_id"] for c in calls), "".join(CALLS), ()))
+    sampled = to_chat_messages(items, memory=memory)[-1]["content"]
+    assert sampled == "".join(CALLS)
+    rebuilt = to_chat_messages(items)[-1]["content"]
+    assert json.loads(rebuilt.split("\n")[1]) == {"name": "get_weather", "arguments": {"city": "Paris"}}
+
+
+def test_streamed_calls_follow_section_6_5(caller):
+    with httpx.stream("POST", caller.url + "/lmsp/v1/responses", timeout=120, json={
+        "model": "tiny", "input": [QUESTION], "tools": TOOLS, "stream": True, "temperature": 0,
+    }) as r:
+        events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: ")]
+    names = [e["type"] for i, e in enumerate(events) if i == 0 or e["type"] != events[i - 1]["type"]
+             or not e["type"].endswith(".delta")]  # runs of deltas count once
+    assert names == [
+        "response.created",
+        "response.output_item.added", "response.reasoning_summary_text.delta", "response.output_item.done",
+        "response.output_item.added", "response.function_call_arguments.delta",
+        "response.function_call_arguments.done", "response.output_item.done",
+        "response.output_item.added", "response.function_call_arguments.delta",
+        "response.function_call_arguments.done", "response.output_item.done",
+        "response.completed",
+    ]
+    done = [e for e in events if e["type"] == "response.output_item.done"][1]["item"]
+    assert done["type"] == "function_call" and json.loads(done["arguments"]) == {"city": "Paris"}
+    assert [e["sequence_number"] for e in events] == list(range(1, len(events) + 1))
+
+
+def test_v1_stream_and_the_openai_sdk_see_function_calls(caller):
+    from openai import OpenAI
+
+    client = OpenAI(base_url=caller.url + "/v1", api_key="unused")
+    resp = client.responses.create(model="tiny", input=[QUESTION], tools=TOOLS, temperature=0)
+    assert [o.type for o in resp.output] == ["reasoning", "function_call", "function_call"]
+    call = resp.output[1]
+    assert call.name == "get_weather" and json.loads(call.arguments) == {"city": "Paris"}
+    with client.responses.stream(model="tiny", input=[QUESTION], tools=TOOLS, temperature=0) as stream:
+        kinds = [e.type for e in stream]
+        final = stream.get_final_response()
+    assert kinds.count("response.function_call_arguments.done") == 2
+    assert kinds[-1] == "response.completed"
+    assert [o.type for o in final.output] == ["reasoning", "function_call", "function_call"]
+    # The next turn through the SDK, replaying the output as the docs show.
+    follow = client.responses.create(
+        model="tiny", tools=TOOLS, temperature=0,
+        input=[QUESTION, *[o.model_dump(exclude_none=True) for o in final.output],
+               *outputs_for([o.model_dump() for o in final.output if o.type == "function_call"])],
+    )
+    assert follow.usage.input_tokens_details.cached_tokens > 0
+
+
+def test_unknown_call_ids_and_missing_reasoning_are_refused(caller):
+    orphan = {"type": "function_call_output", "call_id": "call_nobody", "output": "{}"}
+    r = post(caller, {"input": [orphan], "tools": TOOLS})
+    assert r.status_code == 400 and r.json()["code"] == "unknown_call_id"
+    r = post(caller, {"input": [QUESTION, orphan], "tools": TOOLS})
+    assert r.status_code == 400 and r.json()["code"] == "unknown_call_id"
+    # A reasoning model's tool-call turn replayed without its reasoning item, for a call
+    # the server never made (no live or disk state): 400; with the item: 200.
+    call = {"type": "function_call", "call_id": "call_elsewhere", "name": "get_weather", "arguments": "{\"city\": \"Oslo\"}"}
+    result = {"type": "function_call_output", "call_id": "call_elsewhere", "output": "rain"}
+    r = post(caller, {"input": [QUESTION, call, result], "tools": TOOLS})
+    assert r.status_code == 400 and r.json()["code"] == "reasoning_state_missing"
+    reasoning = {"type": "reasoning", "summary": [{"type": "summary_text", "text": "Oslo first."}]}
+    assert post(caller, {"input": [QUESTION, reasoning, call, result], "tools": TOOLS}).status_code == 200
+
+
+def test_tool_output_only_after_the_live_state_was_replaced_is_409(start_server, caller_dir):
+    server = start_server("--model", str(caller_dir), "--model-id", "tiny", "--kv-memory-mb", "0.001", "--no-kv-disk")
+    first = post(server, {"input": [QUESTION], "tools": TOOLS}).json()
+    calls = [i for i in first["output"] if i["type"] == "function_call"]
+    post(server, {"input": [{"role": "user", "content": "Something else entirely, " * 20}]})  # evicts it
+    r = post(server, {"input": outputs_for(calls), "tools": TOOLS})
+    assert r.status_code == 409 and r.json()["code"] == "continuation_state_unavailable"
+
+
+def test_tool_types_and_choices(caller):
+    r = post(caller, {"input": [QUESTION], "tools": [{"type": "web_search"}]})
+    assert r.status_code == 400 and r.json()["code"] == "unsupported_capability" and "web_search" in r.json()["detail"]
+    # /v1 accepts the hosted types Codex lists and flattens namespace groups.
+    codex_tools = [{"type": "web_search"}, {"type": "namespace", "name": "fs", "tools": [TOOLS[0]]}, TOOLS[1]]
+    r = post(caller, {"input": [QUESTION], "tools": codex_tools}, route="/v1/responses")
+    assert r.status_code == 200, r.text
+    r = post(caller, {"input": [QUESTION], "tools": TOOLS, "tool_choice": {"type": "function", "name": "nope"}})
+    assert r.status_code == 400 and r.json()["param"] == "tool_choice.name"
+    # none: no tools offered, so nothing is parsed as a call.
+    r = post(caller, {"input": [QUESTION], "tools": TOOLS, "tool_choice": "none"}).json()
+    assert [o["type"] for o in r["output"]] == ["reasoning", "message"]
+    assert "get_weather" in r["output"][1]["content"][0]["text"]
+
+
+def test_the_model_listing_advertises_tools_and_reasoning(caller):
+    caps = httpx.get(caller.url + "/lmsp/v1/models/tiny").json()["capabilities"]
+    assert "tools" in caps and "reasoning" in caps
