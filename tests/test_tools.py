@@ -190,3 +190,35 @@ def test_tool_types_and_choices(caller):
 def test_the_model_listing_advertises_tools_and_reasoning(caller):
     caps = httpx.get(caller.url + "/lmsp/v1/models/tiny").json()["capabilities"]
     assert "tools" in caps and "reasoning" in caps
+
+
+CITY = {"type": "function", "name": "get_weather", "description": "Weather in a city.",
+        "parameters": {"type": "object", "properties": {"city": {"enum": ["Paris", "Oslo"]}},
+                       "required": ["city"], "additionalProperties": False}}
+CLOCK = {"type": "function", "name": "get_time", "parameters": {
+    "type": "object", "properties": {"zone": {"enum": ["CET", "UTC"]}}, "required": ["zone"], "additionalProperties": False}}
+
+
+@pytest.mark.parametrize("choice, names", [
+    ({"type": "function", "name": "get_time"}, {"get_time"}),
+    ("required", {"get_weather", "get_time"}),
+])
+def test_required_and_named_choices_are_enforced_while_decoding(client, choice, names):
+    # The tiny random model has no idea what a tool is; the grammar decides the shape.
+    for text in ("Hello there", "Count these tokens, the whole prompt"):
+        r = client.post("/lmsp/v1/responses", json={
+            "model": "tiny", "input": text, "tools": [CITY, CLOCK], "tool_choice": choice,
+            "temperature": 0.8, "max_output_tokens": 200,  # one byte per token here
+        })
+        assert r.status_code == 200, r.text
+        [call] = [o for o in r.json()["output"] if o["type"] == "function_call"]
+        assert call["name"] in names
+        args = json.loads(call["arguments"])
+        assert args in ({"city": "Paris"}, {"city": "Oslo"}, {"zone": "CET"}, {"zone": "UTC"})
+        assert set(args) == ({"zone"} if call["name"] == "get_time" else {"city"})
+
+
+def test_a_schema_the_engine_cannot_enforce_is_400_before_generation(client):
+    bad = {**CITY, "parameters": {"type": "object", "properties": {"city": {"type": "strange"}}}}
+    r = client.post("/lmsp/v1/responses", json={"model": "tiny", "input": "x", "tools": [bad], "tool_choice": "required"})
+    assert r.status_code == 400 and r.json()["code"] == "invalid_request", r.text

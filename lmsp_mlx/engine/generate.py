@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from time import perf_counter
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -43,6 +43,7 @@ class GenerationParams:
     top_p: float = 1.0
     prefill_step: int = 256
     cached: int = 0  # leading prompt tokens already in the cache passed to generate()
+    constraint: Any = None  # constrain.Constraint: a grammar the output must follow
 
 
 def prefill(lm: LoadedModel, tokens: list[int], cache: list, step: int, check: Callable[[int, int], None]) -> None:
@@ -60,7 +61,7 @@ def prefill(lm: LoadedModel, tokens: list[int], cache: list, step: int, check: C
         check(min(start + step, total), total)
 
 
-def sample_tokens(lm: LoadedModel, last: int, cache: list, sampler, max_tokens: int) -> Iterator[int]:
+def sample_tokens(lm: LoadedModel, last: int, cache: list, sampler, max_tokens: int, constraint=None) -> Iterator[int]:
     """Tokens after the prefilled cache, starting from the prompt's last token `last`.
 
     The first is sampled synchronously: generate_step computes a second decode step before
@@ -69,10 +70,16 @@ def sample_tokens(lm: LoadedModel, last: int, cache: list, sampler, max_tokens: 
     if max_tokens < 1:
         return
     logits = lm.model(mx.array([[last]]), cache=cache)[:, -1, :]
+    if constraint is not None:
+        logits = constraint.apply(logits)
     first = sampler(logits - mx.logsumexp(logits, keepdims=True))
+    if constraint is not None:
+        constraint.consume(first.item())
     yield first.item()
     if max_tokens > 1:
-        for token, _ in generate_step(first, lm.model, prompt_cache=cache, sampler=sampler, max_tokens=max_tokens - 1):
+        processors = [constraint] if constraint is not None else None
+        for token, _ in generate_step(first, lm.model, prompt_cache=cache, sampler=sampler,
+                                      max_tokens=max_tokens - 1, logits_processors=processors):
             yield token
 
 
@@ -102,7 +109,7 @@ def generate(
     first = None
     reason = "length"
     produced = 0
-    for token in sample_tokens(lm, params.prompt[-1], cache, sampler, params.max_tokens):
+    for token in sample_tokens(lm, params.prompt[-1], cache, sampler, params.max_tokens, params.constraint):
         sampled.append(token)
         if first is None:
             first = perf_counter()

@@ -25,7 +25,6 @@ class Conversation:
     tools: list[FunctionTool] = field(default_factory=list)  # offered to the model; none: calls not parsed
     native_tools: bool = False
     live_calls: tuple[str, ...] = ()  # a tool-output-only request: the live calls it continues
-    forced: str = ""  # the reply's forced opening (tool_choice required / named): already in the prompt
 
     def messages(self, memory: CallMemory | None, more: list[InputItem] = ()) -> list[dict]:
         return to_chat_messages(
@@ -49,8 +48,6 @@ class TurnOutput:
         self.reasoning: list[str] = []
         self.text: list[str] = []
         self.calls: list[ToolCall] = []
-        if conv.forced:  # the prompt ends inside a call: the parser must know its opening
-            self._send(self.parser.feed(conv.forced))
 
     def feed(self, piece: str) -> None:
         self._send(self.parser.feed(piece))

@@ -2,9 +2,8 @@
 
 - `tools` are validated (LMSP: `function` only; /v1 also accepts Codex's `namespace`
   groups, flattened to `group.name`, and ignores hosted tool types).
-- `tool_choice`: `none` offers no tools; `required` and a named function start the reply
-  inside a call (the call's opening, and for a named function its name, are part of the
-  prompt), so the model can only complete a call.
+- `tool_choice`: `none` offers no tools; `required` and a named function constrain the
+  reply to one call (of that function), with arguments valid against its schema.
 - A request that begins with tool outputs for calls it does not contain continues the
   live turn that made those calls: it is expanded to that turn's conversation and must find
   its live (or checkpointed) KV state, else 409 `continuation_state_unavailable`.
@@ -17,7 +16,10 @@ from __future__ import annotations
 
 from pydantic import TypeAdapter
 
+import json
+
 from ..cache.calls import CallMemory
+from ..engine.constrain import lark_literal
 from ..engine.output import DEFAULT_CALL, OutputFormat
 from ..engine.tools import native_tools
 from ..engine.turn import Conversation
@@ -54,18 +56,30 @@ def tool_choice(req: ResponsesRequest, tools: list[FunctionTool]) -> str | Funct
                   param="tool_choice.name")
 
 
-def forced_prefix(choice: str | FunctionTool, tokenizer) -> str:
-    """The reply's forced opening for `required` / a named function ('' otherwise)."""
-    fmt = OutputFormat.of(tokenizer)
-    if choice in ("auto", "none") or fmt.call != DEFAULT_CALL:
-        return ""  # models with their own call syntax: see the README's tool section
-    opening = fmt.call[0] + "\n{\"name\": \""
-    if isinstance(choice, FunctionTool):
-        return opening + choice.name + "\", \"arguments\": "
-    return opening
+def call_grammar(choice: str | FunctionTool, tools: list[FunctionTool], tokenizer) -> str | None:
+    """The Lark grammar that `required` / a named function impose on the reply: one call,
+    `<tool_call>` + JSON (name and schema-valid arguments) + `</tool_call>`. None for
+    `auto`/`none`, and for models whose call syntax is not that JSON (README)."""
+    if choice in ("auto", "none") or OutputFormat.of(tokenizer).call != DEFAULT_CALL:
+        return None
+    chosen = [choice] if isinstance(choice, FunctionTool) else tools
+    calls = [{
+        "type": "object",
+        "properties": {"name": {"const": t.name}, "arguments": t.parameters or {"type": "object"}},
+        "required": ["name", "arguments"],
+        "additionalProperties": False,
+    } for t in chosen]
+    schema = calls[0] if len(calls) == 1 else {"anyOf": calls}
+    # Compact JSON: with free whitespace a weak model can pad a call with blanks forever.
+    schema = {**schema, "x-guidance": {"whitespace_flexible": False, "key_separator": ": ", "item_separator": ", "}}
+    start, end = DEFAULT_CALL
+    return (f"start: {lark_literal(start + chr(10))} call {lark_literal(chr(10) + end)}\n"
+            f"call: %json {json.dumps(schema)}\n")
 
 
-def prepare(req: ResponsesRequest, route: str, tokenizer, calls: CallMemory, reasoning: bool) -> tuple[Conversation, str]:
+def prepare(req: ResponsesRequest, route: str, tokenizer, calls: CallMemory,
+            reasoning: bool) -> tuple[Conversation, str | None]:
+    """The conversation to render, and the grammar its reply must follow (or None)."""
     tools = function_tools(req.tools, compat=route == "v1")
     choice = tool_choice(req, tools)
     items = req.items()
@@ -87,7 +101,7 @@ def prepare(req: ResponsesRequest, route: str, tokenizer, calls: CallMemory, rea
         _check_reasoning(req.items(), calls)
     offered = [] if choice == "none" else tools
     conv = Conversation(items, req.instructions, offered, native_tools(tokenizer), live)
-    return conv, forced_prefix(choice, tokenizer)
+    return conv, call_grammar(choice, tools, tokenizer)
 
 
 def _check_reasoning(items: list[InputItem], calls: CallMemory) -> None:

@@ -13,7 +13,8 @@ from typing import AsyncIterator
 
 from ..engine.events import Failed, Finished
 from ..engine.generate import GenerationParams
-from ..engine.render import Prompt, render
+from ..engine.constrain import Constraint, GrammarError
+from ..engine.render import render
 from ..engine.worker import Engine
 from ..protocol.ids import new_id
 from ..protocol.problems import Problem
@@ -69,12 +70,10 @@ class ResponseRun:
     async def start(self) -> None:
         """Render and measure the prompt (off the event loop), then queue the job."""
         lm = self.engine.model
-        conv, forced = prepare(self.req, self.route, lm.tokenizer, self.engine.calls, "reasoning" in lm.capabilities)
+        conv, grammar = prepare(self.req, self.route, lm.tokenizer, self.engine.calls, "reasoning" in lm.capabilities)
         messages = conv.messages(self.engine.calls)
         prompt = await asyncio.to_thread(render, lm.tokenizer, messages, conv.template_tools())
-        if forced:  # the reply starts inside a call; its text is tokenized on its own, as a suffix
-            conv.forced = forced
-            prompt = Prompt(prompt.text + forced, prompt.tokens + lm.tokenizer.encode(forced, add_special_tokens=False))
+        constraint = await asyncio.to_thread(self._constraint, grammar) if grammar else None
         n, ctx = len(prompt.tokens), lm.context_length
         if n >= ctx:
             raise Problem(
@@ -91,8 +90,15 @@ class ResponseRun:
             temperature=1.0 if self.req.temperature is None else self.req.temperature,
             top_p=1.0 if self.req.top_p is None else self.req.top_p,
             prefill_step=self.prefill_step,
+            constraint=constraint,
         )
         self.job = self.engine.submit(params, self.route, text=prompt.text, conv=conv)
+
+    def _constraint(self, grammar: str) -> Constraint:
+        try:
+            return Constraint(self.engine.model.tokenizer, grammar)
+        except GrammarError as exc:  # a schema the engine cannot compile, before any generation
+            raise Problem("invalid_request", f"a tool's parameters cannot be enforced: {exc}", param="tools") from None
 
     async def events(self) -> AsyncIterator[ItemEvent]:
         """Item-level events as the worker produces them; the final state is set at the end."""
