@@ -159,8 +159,9 @@ def stream_lmsp(client: httpx.Client, messages: list[dict], max_tokens: int) -> 
             if not line.startswith("data: {"):
                 continue
             event = json.loads(line[6:])
+            if event["type"] in ("response.output_text.delta", "response.reasoning_summary_text.delta"):
+                first = first or time.perf_counter()  # the first token, reasoning or text
             if event["type"] == "response.output_text.delta":
-                first = first or time.perf_counter()
                 text.append(event["delta"])
             elif event["type"] in ("response.completed", "response.incomplete"):
                 usage = event["response"]["usage"]

@@ -139,14 +139,14 @@ def test_a_shared_prefix_is_copied_and_the_first_session_survives(tiny_kv):
 
 def test_a_bpe_boundary_continues_by_text_prefix_like_a_cold_run(scripted_kv, scripted_dir):
     question = [user("Say it.")]
-    # Cut after "<think> t": the KV ends in the token " t".
-    first = respond(scripted_kv, question, max_output_tokens=2)
-    assert first["output"][0]["summary"][0]["text"] == " t"  # inside the reasoning
+    # Cut after three tokens: the KV ends in "<think>", " t", "h".
+    first = respond(scripted_kv, question, max_output_tokens=3)
+    assert first["output"][0]["summary"][0]["text"] == " th"  # inside the reasoning
     # The client continues that text; a fresh tokenization merges " the" into one token,
-    # so the token prefix stops before " t", the text prefix does not.
+    # so the token prefix stops before " t", the text prefix keeps " t", "h" and adds "e".
     history = question + [assistant("<think> the cat"), user("Continue.")]
     nxt = respond(scripted_kv, history)
-    assert cached(nxt) == first["usage"]["input_tokens"] + 2
+    assert cached(nxt) == first["usage"]["input_tokens"] + 3
     assert sources(scripted_kv) == ["cold", "text"]
 
     from lmsp_mlx.engine.generate import GenerationParams, generate

@@ -222,3 +222,65 @@ def test_a_schema_the_engine_cannot_enforce_is_400_before_generation(client):
     bad = {**CITY, "parameters": {"type": "object", "properties": {"city": {"type": "strange"}}}}
     r = client.post("/lmsp/v1/responses", json={"model": "tiny", "input": "x", "tools": [bad], "tool_choice": "required"})
     assert r.status_code == 400 and r.json()["code"] == "invalid_request", r.text
+
+
+def test_a_tool_loop_resumes_after_a_restart(start_server, caller_dir, tmp_path):
+    args = ["--model", str(caller_dir), "--model-id", "tiny", "--kv-disk-dir", str(tmp_path / "kv")]
+    before = start_server(*args)
+    first = post(before, {"input": [QUESTION], "tools": TOOLS}).json()
+    before.wait_for_log("kv checkpoint reason=tool-call")
+    before.stop()
+    held = first["usage"]["input_tokens"] + first["usage"]["output_tokens"] + 1
+    calls = [i for i in first["output"] if i["type"] == "function_call"]
+
+    after = start_server(*args)
+    # Only the tool outputs: the new process knows the calls from the checkpoint.
+    only = post(after, {"input": outputs_for(calls), "tools": TOOLS}).json()
+    assert cached(only) == held
+    assert sources(after) == ["tool-output ids=2"]
+
+
+CODEX_BODY = {  # the shape of a Codex CLI request (0.4x, wire_api = "responses")
+    "model": "tiny",
+    "instructions": "You are Codex, a coding agent based on GPT-5. You and the user share the same workspace.",
+    "input": [
+        {"type": "message", "role": "developer",
+         "content": [{"type": "input_text", "text": "<permissions instructions>sandbox: workspace-write</permissions instructions>"}]},
+        {"type": "message", "role": "user",
+         "content": [{"type": "input_text", "text": "<environment_context>\n  <cwd>/work</cwd>\n  <shell>bash</shell>\n</environment_context>"}]},
+        {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "List the files here."}]},
+    ],
+    "tools": [
+        {"type": "function", "name": "shell", "description": "Runs a shell command and returns its output.",
+         "strict": False, "parameters": {"type": "object", "properties": {
+             "command": {"type": "array", "items": {"type": "string"}}, "workdir": {"type": "string"},
+             "timeout_ms": {"type": "number"}}, "required": ["command"], "additionalProperties": False}},
+        {"type": "function", "name": "update_plan", "description": "Updates the task plan.", "strict": False,
+         "parameters": {"type": "object", "properties": {"plan": {"type": "array", "items": {"type": "object"}}},
+                        "required": ["plan"], "additionalProperties": False}},
+        {"type": "namespace", "name": "mcp__files", "description": "A file server.",
+         "tools": [{"type": "function", "name": "read", "description": "Reads a file.",
+                    "parameters": {"type": "object", "properties": {"path": {"type": "string"}}}}]},
+        {"type": "web_search"},
+    ],
+    "tool_choice": "auto",
+    "parallel_tool_calls": False,
+    "reasoning": {"effort": "medium", "summary": "auto"},
+    "store": False,
+    "include": ["reasoning.encrypted_content"],
+    "prompt_cache_key": "0199a1b2-7c3d-7e4f-8a9b-0c1d2e3f4a5b",
+    "text": {"verbosity": "medium"},
+}
+
+
+def test_a_codex_request_is_accepted_streaming_and_not(caller):
+    r = post(caller, {**CODEX_BODY, "max_output_tokens": 40}, route="/v1/responses")
+    assert r.status_code == 200, r.text
+    # The scripted model calls get_weather, which Codex did not offer: no invented call.
+    assert [o["type"] for o in r.json()["output"]] == ["reasoning", "message"]
+    assert "get_weather" in r.json()["output"][1]["content"][0]["text"]
+    assert "malformed tool call kept as text" in caller.log()
+    with httpx.stream("POST", caller.url + "/v1/responses", json={**CODEX_BODY, "stream": True}, timeout=120) as s:
+        lines = [line for line in s.iter_lines() if line.startswith("data: ")]
+    assert lines[-1] == "data: [DONE]"
+    assert json.loads(lines[-2][6:])["type"] == "response.completed"

@@ -52,7 +52,9 @@ class Constraint:
             raise GrammarError(self.matcher.get_error())
         self.vocab = ll_tokenizer(tokenizer).vocab_size
         self._bits = allocate_token_bitmask(1, self.vocab)
-        self.fed = 0  # tokens consumed so far
+        # generate_step's token list starts with the token the worker sampled (and fed to
+        # this constraint) last: the processor consumes what comes after it.
+        self._seen = 1
 
     def apply(self, logits: mx.array) -> mx.array:
         """Logits with every token the grammar forbids at this point set to -inf."""
@@ -65,10 +67,11 @@ class Constraint:
 
     def consume(self, token: int) -> None:
         self.matcher.consume_token(token)
-        self.fed += 1
 
     def __call__(self, tokens: mx.array, logits: mx.array) -> mx.array:
         """mlx-lm's logits-processor form: `tokens` are those fed so far in generate_step."""
-        for t in tokens.tolist()[self.fed:]:
+        ids = tokens.tolist()
+        for t in ids[self._seen:]:
             self.consume(t)
+        self._seen = len(ids)
         return self.apply(logits)
