@@ -61,12 +61,6 @@ def prefill(lm: LoadedModel, tokens: list[int], cache: list, step: int, check: C
         check(min(start + step, total), total)
 
 
-# The prompt's last few tokens go through the whole model (output head included) in one
-# pass that also gives the first token's logits: a separate one-token pass for the last
-# prompt token cost a full decode step (80 ms on the CPU), the head over 16 rows far less.
-LAST_CHUNK = 16
-
-
 def sample_tokens(lm: LoadedModel, tail: list[int], cache: list, sampler, max_tokens: int, constraint=None) -> Iterator[int]:
     """Tokens after the prefilled cache, starting with the prompt's unprefilled `tail`.
 
@@ -114,7 +108,12 @@ def generate(
 
     start = perf_counter()
     cache = make_prompt_cache(lm.model) if cache is None else cache
-    tail = max(1, min(LAST_CHUNK, len(params.prompt) - params.cached))
+    # The last prefill chunk (up to 64 tokens: the output head is computed for each of its
+    # rows) goes through the whole model, in the pass that also gives the first token's
+    # logits. A separate pass for the last prompt token cost a full decode step (80 ms on
+    # the CPU); an agent's short suffix now takes one pass.
+    new = len(params.prompt) - params.cached
+    tail = max(1, min(new % params.prefill_step or params.prefill_step, new, 64))
     prefill(lm, params.prompt[params.cached : -tail], cache, params.prefill_step, check)
     sampler = make_sampler(temp=params.temperature, top_p=params.top_p if params.top_p < 1 else 0.0)
     detokenizer = lm.tokenizer.detokenizer
