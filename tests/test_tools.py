@@ -144,7 +144,11 @@ def test_v1_stream_and_the_openai_sdk_see_function_calls(caller):
         input=[QUESTION, *[o.model_dump(exclude_none=True) for o in final.output],
                *outputs_for([o.model_dump() for o in final.output if o.type == "function_call"])],
     )
-    assert follow.usage.input_tokens_details.cached_tokens > 0
+    # Everything the streamed turn left in the KV (its hidden reasoning included) is reused;
+    # only the two tool results are prefilled.
+    held = final.usage.input_tokens + final.usage.output_tokens + 1
+    assert follow.usage.input_tokens_details.cached_tokens == held
+    assert follow.usage.input_tokens - held < 200
 
 
 def test_unknown_call_ids_and_missing_reasoning_are_refused(caller):
@@ -284,3 +288,17 @@ def test_a_codex_request_is_accepted_streaming_and_not(caller):
         lines = [line for line in s.iter_lines() if line.startswith("data: ")]
     assert lines[-1] == "data: [DONE]"
     assert json.loads(lines[-2][6:])["type"] == "response.completed"
+
+
+QWEN_CODER_CALL = "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n</function>\n</tool_call>"
+
+
+def test_a_model_specific_call_syntax_goes_through_mlx_lm_s_parser(start_server, tmp_path):
+    # Qwen3-Coder's XML-style calls: the tokenizer names mlx-lm's qwen3_coder parser.
+    model = build_scripted_model(tmp_path / "coder", script=["Ċ", QWEN_CODER_CALL, "<|im_end|>"],
+                                 words=(QWEN_CODER_CALL,), tokenizer_config={"tool_parser_type": "qwen3_coder"})
+    server = start_server("--model", str(model), "--model-id", "tiny")
+    resp = post(server, {"input": [QUESTION], "tools": TOOLS}).json()
+    [call] = resp["output"]
+    assert call["type"] == "function_call" and call["name"] == "get_weather"
+    assert json.loads(call["arguments"]) == {"city": "Paris"}

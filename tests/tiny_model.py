@@ -34,7 +34,8 @@ REASONING_CHATML = (
 THINK = ["<think>", "</think>"]
 
 
-def write_tokenizer(out: Path, specials: list[str] = SPECIALS, template: str = CHATML, words: tuple[str, ...] = ()) -> int:
+def write_tokenizer(out: Path, specials: list[str] = SPECIALS, template: str = CHATML, words: tuple[str, ...] = (),
+                    config: dict | None = None) -> int:
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
     byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
@@ -59,6 +60,7 @@ def write_tokenizer(out: Path, specials: list[str] = SPECIALS, template: str = C
                 "eos_token": "<|im_end|>",
                 "pad_token": "<|endoftext|>",
                 "chat_template": template,
+                **(config or {}),
             }
         )
     )
@@ -121,7 +123,7 @@ TOOL_SCRIPT = ["Ċ", "<think>", "Ġt", "h", "e", "</think>", *CALLS, "<|im_end|>
 
 
 def build_scripted_model(out: Path, *, script: list[str] = SCRIPT, words: tuple[str, ...] = (), seed: int = 11,
-                         context: int = 32768) -> Path:
+                         context: int = 32768, tokenizer_config: dict | None = None) -> Path:
     """A tiny llama whose greedy output is `script`, whatever came before.
 
     Its layers add nothing to the residual stream (zero output projections), so the last
@@ -133,7 +135,7 @@ def build_scripted_model(out: Path, *, script: list[str] = SCRIPT, words: tuple[
     from tokenizers import Tokenizer
 
     out.mkdir(parents=True, exist_ok=True)
-    config = _config(write_tokenizer(out, SPECIALS + THINK, REASONING_CHATML, words), context)
+    config = _config(write_tokenizer(out, SPECIALS + THINK, REASONING_CHATML, words, tokenizer_config), context)
     mx.random.seed(seed)
     model = llama.Model(llama.ModelArgs.from_dict(config))
     vocab = Tokenizer.from_file(str(out / "tokenizer.json")).get_vocab()

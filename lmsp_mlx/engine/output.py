@@ -19,6 +19,7 @@ from typing import Any, Callable
 from mlx_lm.tool_parsers import json_tools
 
 from .events import ReasoningDelta, TextDelta
+from .tools import tool_specs
 
 log = logging.getLogger("lmsp_mlx.engine")
 
@@ -120,7 +121,7 @@ class OutputParser:
     def _calls(self, body: str) -> list:
         raw = self.fmt.call[0] + body + self.fmt.call[1]
         try:
-            parsed = self.fmt.parse(body, list(self.tools.values()))
+            parsed = self.fmt.parse(body, tool_specs(list(self.tools.values())))  # mlx-lm parsers take HF specs
             calls = parsed if isinstance(parsed, list) else [parsed]
             result = []
             for call in calls:
