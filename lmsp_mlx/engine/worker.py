@@ -155,7 +155,11 @@ class Engine:
             self._ready.set()
         while (job := self._jobs.get()) is not None:
             self._current = job
-            self._run_job(job)
+            try:
+                self._run_job(job)
+            except Exception as exc:  # a bug must fail one request, never the worker
+                log.exception("job failed")
+                job.emit(Failed(f"internal error: {type(exc).__name__}: {exc}"))
             self._current = None
         self.pool.close()
 
@@ -219,7 +223,10 @@ class Engine:
         if done.reason != "cancelled" and job.conv is not None:
             calls = turn.remember(self.calls)
             ended = lm.tokenizer.decode(sampled[-1:]) if done.reason == "stop" else ""
-            binding = turn.binding(self.calls, ended)
+            try:
+                binding = turn.binding(self.calls, ended)
+            except Exception:  # the reply is out; without a binding only the next lookup is slower
+                log.exception("the turn's visible transcript could not be rendered")
         self._log(job, lm, _STATUS[done.reason], done.usage, done.prefill_tps, done.decode_tps, extra)
         pool.finish(start, sampled, ok=True, binding=binding, calls=calls)
 
