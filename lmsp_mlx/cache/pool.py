@@ -49,6 +49,7 @@ class Start:
     source: str  # visible | token | text | disk | cold
     cached: int  # tokens already in the KV
     tokens: list[int]  # what the KV holds once the prompt is prefilled: cached + suffix
+    made: bool = False  # the lookup made this session (cold, a copied prefix, a restore)
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
@@ -81,6 +82,7 @@ class SessionPool:
         live continuation (a tool-output-only request) in the log line when it is found."""
         start = self._lookup(text, tokens, limit)
         if start.session not in self.sessions:
+            start.made = True
             self.sessions.append(start.session)
         start.session.last_used = time.monotonic()
         source = label if label and start.source in ("visible", "disk") else start.source
@@ -89,7 +91,7 @@ class SessionPool:
 
     def abandon(self, start: Start) -> None:
         """The request will not run: forget a session made for it (a live one stays)."""
-        if start.cached == 0 or start.source == "token" and start.session.tokens != start.tokens[: start.cached]:
+        if start.made:
             self._drop(start.session)
 
     def _lookup(self, text: str, tokens: list[int], limit: int) -> Start:

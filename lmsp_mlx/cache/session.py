@@ -42,10 +42,6 @@ def _copy_state(state: Any) -> Any:
     return tree_map(lambda x: mx.array(x) if isinstance(x, mx.array) else x, state)
 
 
-def trimmable(cache: list) -> bool:
-    return mlx_cache.can_trim_prompt_cache(cache)
-
-
 # Caches whose state can be cut to any shorter length by slicing.
 _CUTTABLE = (mlx_cache.KVCache, mlx_cache.QuantizedKVCache)
 
@@ -113,7 +109,7 @@ class Session:
 
     @property
     def trimmable(self) -> bool:
-        return trimmable(self.cache)
+        return mlx_cache.can_trim_prompt_cache(self.cache)
 
     @property
     def needs_snapshots(self) -> bool:

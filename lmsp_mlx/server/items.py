@@ -74,13 +74,8 @@ class ItemFolder:
         self._held = ""
         out: list[ItemEvent] = []
         if self._open is not None:
-            i, text = self._open, "".join(self._parts)
-            item = self.items[i]
-            if isinstance(item, MessageOutput):
-                item = item.model_copy(update={"content": [OutputTextPart(text=text)]})
-            else:
-                item = item.model_copy(update={"summary": [SummaryText(text=text)]})
-            self.items[i] = item
+            i = self._open
+            item = self.items[i] = _with_text(self.items[i], "".join(self._parts))
             self._open, self._parts = None, []
             out.append(ItemEvent("done", i, item))
         if ensure_message and not self.items:
@@ -93,9 +88,12 @@ class ItemFolder:
         """The items so far, the open one with its text so far (for in-progress objects)."""
         items = list(self.items)
         if self._open is not None:
-            text = "".join(self._parts)
-            item = items[self._open]
-            items[self._open] = (item.model_copy(update={"content": [OutputTextPart(text=text)]})
-                                 if isinstance(item, MessageOutput)
-                                 else item.model_copy(update={"summary": [SummaryText(text=text)]}))
+            items[self._open] = _with_text(items[self._open], "".join(self._parts))
         return items
+
+
+def _with_text(item: OutputItem, text: str) -> OutputItem:
+    """A message or reasoning item holding `text` as its one part."""
+    if isinstance(item, MessageOutput):
+        return item.model_copy(update={"content": [OutputTextPart(text=text)]})
+    return item.model_copy(update={"summary": [SummaryText(text=text)]})
