@@ -48,7 +48,9 @@ def test_stream_matches_the_sync_response(client):
     sync = client.post("/lmsp/v1/responses", json=body).json()
     events = stream(client, body)
     assert events[-2]["data"]["item"]["content"] == sync["output"][0]["content"]
-    assert events[-1]["data"]["usage"] == sync["usage"]
+    # The same tokens in and out; how many came from the KV cache depends on what ran before.
+    counts = lambda u: {k: u[k] for k in ("input_tokens", "output_tokens", "total_tokens")}  # noqa: E731
+    assert counts(events[-1]["data"]["usage"]) == counts(sync["usage"])
 
 
 def test_token_limit_ends_with_response_incomplete(client):
