@@ -1,0 +1,9 @@
+"""Durable state in one SQLite file: stored responses, tasks with their event logs, and
+idempotency keys (lmsp_mlx/store/db.py has the schema)."""
+
+from .db import Database, StoreError
+from .keys import IdempotencyKeys
+from .responses import StoredResponses
+from .tasks import StoredEvent, TaskLog, TaskRecord
+
+__all__ = ["Database", "StoreError", "IdempotencyKeys", "StoredResponses", "StoredEvent", "TaskLog", "TaskRecord"]
