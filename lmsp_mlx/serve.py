@@ -11,11 +11,15 @@ import signal
 import sys
 from pathlib import Path
 
+from platformdirs import user_data_dir
+
 from .engine.loader import ModelLoadError
 from .engine.model_store import DEFAULT_MODEL, ModelStoreError, default_models_dir, ensure_packaged_model
 from .cache.pool import Policy
 from .engine.worker import CacheSettings, Engine
+from .server.auth import Tokens, TokensError
 from .server.state import ServerSettings
+from .store import Database, StoreError
 
 log = logging.getLogger("lmsp_mlx")
 
@@ -27,12 +31,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model", type=Path, help="an mlx-lm model directory (default: the embedded SmolLM2-135M-Instruct)")
     p.add_argument("--model-id", help="the id clients use for the model (default: the directory name)")
     p.add_argument("--models-dir", type=Path, help="the model store (default: models/ of the checkout, or $LMSP_MODELS_DIR)")
-    p.add_argument("--api-key", default=os.environ.get("LMSP_API_KEY"), help="require 'Authorization: Bearer KEY' (or $LMSP_API_KEY)")
+    p.add_argument("--api-key", default=os.environ.get("LMSP_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' (or $LMSP_API_KEY); this key has every scope")
+    p.add_argument("--tokens", type=Path, help='tokens file: JSON {"<token>": ["responses:write", ...], ...}')
     p.add_argument("--ctx", type=int, help="context size in tokens (default: the model's trained context)")
     p.add_argument("--max-queue", type=int, default=16, help="requests that may wait for the model before 429 (default 16)")
     p.add_argument("--prefill-chunk", type=int, help="prefill chunk in tokens; cancellation is checked between chunks")
     p.add_argument("--max-body-mb", type=float, default=16.0, help="largest request body in MiB (default 16)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    st = p.add_argument_group("stored responses and tasks")
+    st.add_argument("--store", type=Path, help="the SQLite store file (default: lmsp-mlx/store.sqlite3 under the user's data dir)")
+    st.add_argument("--store-retention", type=_duration, default=30 * 86400.0,
+                    help="how long stored responses and tasks are kept: seconds, or with s/m/h/d (default 30d)")
+    st.add_argument("--event-retention", type=_duration, default=3600.0,
+                    help="how long a task's events stay replayable after it ended (default 1h)")
     kv = p.add_argument_group("KV cache")
     kv.add_argument("--kv-memory-mb", type=float, default=2048, help="resident KV sessions, in MiB (default 2048)")
     kv.add_argument("--kv-disk-dir", type=Path, help="where KV checkpoints go (default: under the user's cache dir)")
@@ -51,6 +63,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if not 1 <= args.port <= 65535:
         p.error("--port must be between 1 and 65535")
     return args
+
+
+def _duration(text: str) -> float:
+    units = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+    scale = units.get(text[-1:].lower(), None)
+    try:
+        value = float(text[:-1] if scale else text) * (scale or 1)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a duration (like 3600, 90m, 12h or 30d)") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError("a duration must be positive")
+    return value
 
 
 def _is_loopback(host: str) -> bool:
@@ -109,8 +133,16 @@ def main(argv: list[str] | None = None) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
-    if not args.api_key and not _is_loopback(args.host):
-        return _fail(f"refusing to bind {args.host} without --api-key (or LMSP_API_KEY): only loopback is open")
+    try:
+        tokens = Tokens.load(args.api_key, args.tokens)
+    except TokensError as exc:
+        return _fail(str(exc))
+    if not tokens.required and not _is_loopback(args.host):
+        return _fail(f"refusing to bind {args.host} without --api-key or --tokens: only loopback is open")
+    try:
+        db = Database(args.store or Path(user_data_dir("lmsp-mlx")) / "store.sqlite3")
+    except StoreError as exc:
+        return _fail(str(exc))
     try:
         if args.model is None:
             model_path = ensure_packaged_model(DEFAULT_MODEL, args.models_dir or default_models_dir())
@@ -131,14 +163,17 @@ def main(argv: list[str] | None = None) -> int:
     from .server.app import create_app
 
     prefill = args.prefill_chunk or (256 if lm.backend == "cpu" else 2048)
-    settings = ServerSettings(api_key=args.api_key, prefill_step=prefill, max_body_bytes=int(args.max_body_mb * 1024 * 1024))
-    app = create_app(engine, settings)
+    settings = ServerSettings(prefill_step=prefill, max_body_bytes=int(args.max_body_mb * 1024 * 1024),
+                              store_retention=args.store_retention, event_retention=args.event_retention)
+    log.info("store: %s", db.path)
+    app = create_app(engine, settings, tokens, db)
     try:
         asyncio.run(_serve(app, engine, args.host, args.port))
     except OSError as exc:  # port in use, address not available
         return _fail(f"cannot bind {args.host}:{args.port}: {exc.strerror or exc}")
     finally:
         engine.stop()
+        db.close()
     return 0
 
 

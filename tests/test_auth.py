@@ -55,3 +55,64 @@ def test_no_key_refuses_a_non_loopback_host(tiny_model_dir):
     assert done.returncode != 0
     assert "0.0.0.0" in done.stderr and "--api-key" in done.stderr
     assert "Traceback" not in done.stderr
+
+
+# Every route and the scope it needs (PROTOCOL.md, Auth).
+ROUTES = [
+    ("GET", "/lmsp/v1", None, "models:read"),
+    ("GET", "/lmsp/v1/models", None, "models:read"),
+    ("GET", "/lmsp/v1/models/tiny", None, "models:read"),
+    ("GET", "/v1/models", None, "models:read"),
+    ("GET", "/v1/models/tiny", None, "models:read"),
+    ("POST", "/lmsp/v1/responses", ask(), "responses:write"),
+    ("POST", "/v1/responses", ask(), "responses:write"),
+    ("POST", "/lmsp/v1/tasks", {"request": ask()}, "responses:write"),
+    ("POST", "/lmsp/v1/tasks/task_x/cancel", None, "responses:write"),
+    ("GET", "/lmsp/v1/responses/resp_x", None, "responses:read"),
+    ("GET", "/v1/responses/resp_x", None, "responses:read"),
+    ("GET", "/lmsp/v1/tasks/task_x", None, "responses:read"),
+    ("GET", "/lmsp/v1/tasks/task_x/events", None, "responses:read"),
+    ("GET", "/metrics", None, "admin"),
+]
+SCOPES = ["responses:write", "responses:read", "models:read", "admin"]
+
+
+@pytest.fixture(scope="module")
+def scoped(start_server, tiny_model_dir, tmp_path_factory):
+    import json
+
+    tokens = tmp_path_factory.mktemp("tokens") / "tokens.json"
+    # One token per scope, each holding every scope but that one.
+    tokens.write_text(json.dumps({f"without-{s}": [o for o in SCOPES if o != s] for s in SCOPES}))
+    return start_server("--model", str(tiny_model_dir), "--model-id", "tiny", "--tokens", str(tokens))
+
+
+@pytest.mark.parametrize("method, path, body, scope", ROUTES, ids=[f"{m} {p}" for m, p, _, _ in ROUTES])
+def test_a_token_without_the_routes_scope_is_403(scoped, method, path, body, scope):
+    r = httpx.request(method, scoped.url + path, json=body, headers={"Authorization": f"Bearer without-{scope}"},
+                      timeout=60)
+    assert r.status_code == 403
+    code = r.json()["error"]["code"] if path.startswith("/v1") else r.json()["code"]
+    assert code == "insufficient_scope"
+    # A token that has the scope gets past the check (to the route's own answer).
+    other = next(s for s in SCOPES if s != scope)
+    r = httpx.request(method, scoped.url + path, json=body, headers={"Authorization": f"Bearer without-{other}"},
+                      timeout=60)
+    assert r.status_code in (200, 202, 404), r.text
+
+
+@pytest.mark.parametrize("content, needle", [
+    ('{"t": ["tools:execute"]}', "tools:execute"),
+    ('{"t": ["everything"]}', "unknown scope"),
+    ('["t"]', "JSON object"),
+    ("{not json", "cannot read"),
+])
+def test_a_bad_tokens_file_refuses_to_start(tiny_model_dir, tmp_path, content, needle):
+    path = tmp_path / "tokens.json"
+    path.write_text(content)
+    done = subprocess.run(
+        [sys.executable, "-m", "lmsp_mlx.serve", "--model", str(tiny_model_dir), "--tokens", str(path),
+         "--store", str(tmp_path / "store.sqlite3")],
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
+    )
+    assert done.returncode != 0 and needle in done.stderr and "Traceback" not in done.stderr

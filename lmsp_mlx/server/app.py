@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-import hmac
+import asyncio
 import json
 import logging
+import time
 
 from quart import Quart, Response, request
 from werkzeug.exceptions import HTTPException
@@ -12,8 +13,11 @@ from werkzeug.exceptions import HTTPException
 from .. import LMSP_VERSION
 from ..engine.worker import Engine
 from ..protocol.problems import Problem
+from ..store import Database, IdempotencyKeys, StoredResponses, TaskLog
 from . import lmsp, openai
+from .auth import Tokens, authorize, requires
 from .state import ServerSettings, ServerState
+from .tasks import Tasks
 
 log = logging.getLogger("lmsp_mlx.server")
 
@@ -37,21 +41,38 @@ def problem_response(problem: Problem) -> Response:
     return resp
 
 
-def create_app(engine: Engine, settings: ServerSettings) -> Quart:
+def create_app(engine: Engine, settings: ServerSettings, tokens: Tokens, db: Database) -> Quart:
+    """The app over a started engine and an open store; tasks a previous process left
+    running are marked failed here, before any request can ask for them."""
     app = Quart("lmsp_mlx")
     app.json.sort_keys = False  # keep the documented field order (id, object, ...)
     app.config["MAX_CONTENT_LENGTH"] = settings.max_body_bytes
     # Generations can outlast Quart's default 60 s response timeout; disconnects end them instead.
     app.config["RESPONSE_TIMEOUT"] = None
-    app.extensions["lmsp_mlx"] = ServerState(engine=engine, settings=settings)
+    if "conversations" not in engine.model.capabilities:  # the store is always there
+        engine.model.capabilities = (*engine.model.capabilities, "conversations")
+    tasks = Tasks(TaskLog(db), IdempotencyKeys(db))
+    tasks.recover()
+    responses = StoredResponses(db)
+    app.extensions["lmsp_mlx"] = ServerState(engine, settings, tokens, responses, tasks)
     app.register_blueprint(lmsp.bp)
     app.register_blueprint(openai.bp)
+
+    @app.before_serving
+    async def start_sweeper():
+        app.extensions["lmsp_mlx_sweeper"] = asyncio.create_task(_sweep_forever(settings, responses, tasks))
+
+    @app.after_serving
+    async def stop_background():
+        app.extensions["lmsp_mlx_sweeper"].cancel()
+        await tasks.shutdown()
 
     @app.get("/healthz")
     async def healthz():
         return {"status": "ok", "model": engine.model.id}
 
     @app.get("/metrics")
+    @requires("admin")
     async def metrics():
         c = engine.counters
         lines = [
@@ -66,16 +87,7 @@ def create_app(engine: Engine, settings: ServerSettings) -> Quart:
 
     @app.before_request
     async def check_auth_and_version():
-        if settings.api_key and request.path != "/healthz":
-            header = request.headers.get("Authorization", "")
-            scheme, _, token = header.partition(" ")
-            given = token.strip().encode("utf-8", "surrogateescape")
-            if scheme.lower() != "bearer" or not hmac.compare_digest(given, settings.api_key.encode()):
-                raise Problem(
-                    "unauthorized",
-                    "a valid 'Authorization: Bearer <key>' header is required",
-                    headers={"WWW-Authenticate": 'Bearer realm="lmsp"'},
-                )
+        authorize(tokens, app.view_functions.get(request.endpoint))
         version = request.headers.get("LMSP-Version")
         if version is not None and version.strip() != LMSP_VERSION and request.path.startswith("/lmsp/"):
             raise Problem(
@@ -110,3 +122,20 @@ def create_app(engine: Engine, settings: ServerSettings) -> Quart:
         return problem_response(Problem("internal_error", f"{type(exc).__name__}: {exc}"))
 
     return app
+
+
+async def _sweep_forever(settings: ServerSettings, responses: StoredResponses, tasks: Tasks) -> None:
+    """Delete what is past retention, at a tenth of the shorter retention (at most every minute)."""
+    period = min(60.0, settings.event_retention / 10, settings.store_retention / 10)
+    while True:
+        try:
+            now = time.time()
+            gone = await asyncio.to_thread(responses.sweep, now - settings.store_retention)
+            logs, old = await asyncio.to_thread(tasks.log.sweep, now - settings.event_retention, now - settings.store_retention)
+            keys = await asyncio.to_thread(tasks.keys.sweep)
+            if gone or logs or old or keys:
+                log.info("store sweep: %d responses, %d task event logs, %d tasks, %d idempotency keys removed",
+                         gone, logs, old, keys)
+        except Exception:
+            log.exception("store sweep failed")
+        await asyncio.sleep(period)
