@@ -36,6 +36,8 @@ class Server:
         self.log_path = log_path
         if "--kv-disk-dir" not in args and "--no-kv-disk" not in args:  # never the user's cache dir
             args = [*args, "--kv-disk-dir", str(log_path.parent / "kv")]
+        if "--store" not in args:  # never the user's data dir
+            args = [*args, "--store", str(log_path.parent / "store.sqlite3")]
         self.args = args
         self._log = open(log_path, "w")
         self.proc = subprocess.Popen(

@@ -141,7 +141,6 @@ def test_unsupported_lmsp_version(client):
         ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}},
          "response_format"),
         ({"tools": [{"type": "code_interpreter"}]}, "tools[0].type"),
-        ({"previous_response_id": "resp_01J8M6Q4W2T7N5R3V9X1Z8B0DF"}, "previous_response_id"),
     ],
 )
 def test_capabilities_the_model_lacks(client, fields, param):
@@ -182,3 +181,5 @@ def test_errors_leave_the_server_serving(client):
 def test_unstored_response_is_not_found(client):
     doc = problem(client.get("/lmsp/v1/responses/resp_01J8M6Q4W2T7N5R3V9X1Z8B0DF"), 404, "response_not_found")
     assert "resp_01J8M6Q4W2T7N5R3V9X1Z8B0DF" in doc["detail"]
+    r = client.post("/lmsp/v1/responses", json=ask(previous_response_id="resp_01J8M6Q4W2T7N5R3V9X1Z8B0DF"))
+    assert problem(r, 404, "response_not_found")["param"] == "previous_response_id"

@@ -36,6 +36,7 @@ class Job:
     text: str = ""  # the rendered prompt: what text-prefix lookups compare
     conv: Conversation | None = None  # the items behind the prompt: for the turn's visible transcript
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
+    started: bool = False  # the worker took it from the queue (a task is then `in_progress`)
     _cancel: threading.Event = field(default_factory=threading.Event)
 
     def emit(self, event: GenerationEvent) -> None:
@@ -155,6 +156,7 @@ class Engine:
             self._ready.set()
         while (job := self._jobs.get()) is not None:
             self._current = job
+            job.started = True
             try:
                 self._run_job(job)
             except Exception as exc:  # a bug must fail one request, never the worker

@@ -127,7 +127,7 @@ def v1_response(resp: ResponseObject, request: Any, completed_at: int | None) ->
         "max_tool_calls": None,
         "metadata": {},
         "parallel_tool_calls": True,
-        "previous_response_id": None,
+        "previous_response_id": request.previous_response_id,
         "reasoning": {"effort": None, "summary": None},
         "store": request.store,
         "temperature": 1.0 if request.temperature is None else request.temperature,

@@ -2,20 +2,28 @@
 
 from __future__ import annotations
 
-from quart import Blueprint
+import asyncio
+from typing import AsyncIterator
+
+from quart import Blueprint, request
 
 from .. import LMSP_VERSION, __version__
 from ..protocol.problems import Problem
+from ..protocol.requests import parse_request
 from ..protocol.responses import FunctionCallOutput
+from ..store import TaskRecord
+from .auth import owner, requires
 from .run import ResponseRun, start_run
-from .sse import LmspEvents, sse_response
-from .state import state
+from .sse import LmspEvents, SseEvent, sse_response
+from .state import read_json, state
+from .tasks import LiveTask
 
 bp = Blueprint("lmsp", __name__, url_prefix="/lmsp/v1")
 
 
 @bp.get("")
 @bp.get("/")
+@requires("models:read")
 async def service_document():
     lm = state().engine.model
     return {
@@ -28,11 +36,13 @@ async def service_document():
 
 
 @bp.get("/models")
+@requires("models:read")
 async def list_models():
     return {"object": "list", "data": [state().engine.model.describe()]}
 
 
 @bp.get("/models/<path:model_id>")
+@requires("models:read")
 async def get_model(model_id: str):
     lm = state().engine.model
     if model_id != lm.id:
@@ -41,20 +51,127 @@ async def get_model(model_id: str):
 
 
 @bp.post("/responses")
+@requires("responses:write")
 async def create_response():
-    run = await start_run("lmsp")
-    if not run.req.stream:
-        return (await run.run_to_end()).model_dump(mode="json")
-    return sse_response(stream_lmsp(run))
+    body = await read_json()
+    req = parse_request(body)
+    key = request.headers.get("Idempotency-Key")
+    if key is None:  # the response belongs to this connection (section 6.4)
+        run = await start_run("lmsp", req)
+        if not req.stream:
+            return (await run.run_to_end()).model_dump(mode="json")
+        return sse_response(stream_lmsp(run))
+    # With a key the work runs as a task, so a retry can wait for it or re-attach to it.
+    tasks = state().tasks
+    sent = await tasks.start_once(owner(), key, "responses", body, lambda: _start_task(req))
+    headers = {"Idempotent-Replayed": "true"} if sent.replayed else {}
+    if req.stream:
+        return sse_response(await tasks.events(owner(), sent.task_id, 0), headers)
+    record = await _ended_task(sent.task_id)
+    response = record.response or {}
+    if response.get("status") == "failed":
+        error = response.get("error") or {}
+        raise Problem(error.get("code", "internal_error"), error.get("detail", "generation failed"), headers=headers)
+    return response, 200, headers
 
 
 @bp.get("/responses/<response_id>")
+@requires("responses:read")
 async def get_response(response_id: str):
-    # Section 6.2: optional, needs the `conversations` capability; nothing is stored yet.
-    raise Problem("response_not_found", f"response {response_id!r} is not stored on this service")
+    stored = await asyncio.to_thread(state().responses.get, owner(), response_id)
+    if stored is None:
+        raise Problem("response_not_found", f"no stored response {response_id!r}")
+    return stored.response
 
 
-async def stream_lmsp(run: ResponseRun):
+@bp.post("/tasks")
+@requires("responses:write")
+async def create_task():
+    body = await read_json()
+    if not isinstance(body, dict) or not isinstance(body.get("request"), dict):
+        raise Problem("invalid_request", 'the body must be {"request": <responses request>}', param="request")
+    req = parse_request(body["request"])
+    key = request.headers.get("Idempotency-Key")
+    sent = await state().tasks.start_once(owner(), key, "tasks", body, lambda: _start_task(req))
+    headers = {"Location": f"/lmsp/v1/tasks/{sent.task_id}"}
+    if sent.replayed:
+        headers["Idempotent-Replayed"] = "true"
+    return await _task_object(sent.task_id), 202, headers
+
+
+@bp.get("/tasks/<task_id>")
+@requires("responses:read")
+async def get_task(task_id: str):
+    return await _task_object(task_id)
+
+
+@bp.get("/tasks/<task_id>/events")
+@requires("responses:read")
+async def task_events(task_id: str):
+    after = _after()
+    return sse_response(await state().tasks.events(owner(), task_id, after))
+
+
+@bp.post("/tasks/<task_id>/cancel")
+@requires("responses:write")
+async def cancel_task(task_id: str):
+    live = state().tasks.live.get(task_id)
+    if live is not None and live.owner == owner():
+        live.run.cancel()
+    return await _task_object(task_id)
+
+
+def _after() -> int:
+    """Section 6.4: `?after=N` wins over `Last-Event-ID: N`."""
+    raw, where = request.args.get("after"), "after"
+    if raw is None:
+        raw, where = request.headers.get("Last-Event-ID"), "Last-Event-ID"
+    if raw is None or raw.strip() == "":
+        return 0
+    try:
+        after = int(raw)
+    except ValueError:
+        raise Problem("invalid_request", f"{where} must be an event id (an integer), not {raw!r}", param=where) from None
+    if after < 0:
+        raise Problem("invalid_request", f"{where} must not be negative", param=where)
+    return after
+
+
+async def _start_task(req) -> LiveTask:
+    run = await start_run("lmsp", req)
+    return state().tasks.start(owner(), run, stream_lmsp(run))
+
+
+async def _ended_task(task_id: str) -> TaskRecord:
+    tasks, who = state().tasks, owner()
+    live = tasks.live.get(task_id)
+    if live is not None:
+        await live.wait()
+    record = await asyncio.to_thread(tasks.record, who, task_id)
+    if record is None:
+        raise Problem("task_not_found", f"no task {task_id!r}")
+    return record
+
+
+async def _task_object(task_id: str) -> dict:
+    """PROTOCOL.md's task object: the live state while it runs, the stored one after."""
+    tasks, who = state().tasks, owner()
+    live = tasks.live.get(task_id)
+    if live is not None and live.owner == who:
+        status, response_id, created = live.status, live.run.id, live.created_at
+        response = live.run.response().model_dump(mode="json") if live.done else None
+    else:
+        record = await asyncio.to_thread(tasks.record, who, task_id)
+        if record is None:
+            raise Problem("task_not_found", f"no task {task_id!r}")
+        status, response_id, created, response = record.status, record.response_id, record.created_at, record.response
+    out = {"id": task_id, "object": "task", "status": status, "response_id": response_id, "created_at": int(created)}
+    if response is not None and status not in ("queued", "in_progress"):
+        out["response"] = response
+    return out
+
+
+async def stream_lmsp(run: ResponseRun) -> AsyncIterator[SseEvent]:
     """Section 6.3: created, then per output item its added event, deltas and done event
     (section 6.5's argument events for calls), then exactly one final event."""
     event = LmspEvents(run.id)

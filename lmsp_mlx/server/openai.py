@@ -6,14 +6,18 @@ deltas carry output_index/content_index, the stream ends with `data: [DONE]`.
 
 from __future__ import annotations
 
+import asyncio
+
 from quart import Blueprint
 
 from ..protocol.problems import Problem
-from ..protocol.responses import MessageOutput, ReasoningOutput, v1_item, v1_response
+from ..protocol.requests import parse_request
+from ..protocol.responses import MessageOutput, ReasoningOutput, ResponseObject, v1_item, v1_response
+from .auth import owner, requires
 from .items import ItemEvent
 from .run import ResponseRun, start_run
 from .sse import OpenResponsesEvents, sse_response
-from .state import state
+from .state import read_json, state
 
 bp = Blueprint("openai", __name__, url_prefix="/v1")
 
@@ -24,11 +28,13 @@ def _model_object() -> dict:
 
 
 @bp.get("/models")
+@requires("models:read")
 async def list_models():
     return {"object": "list", "data": [_model_object()]}
 
 
 @bp.get("/models/<path:model_id>")
+@requires("models:read")
 async def get_model(model_id: str):
     if model_id != state().engine.model.id:
         raise Problem("model_not_found", f"model {model_id!r} is not served here", param="model")
@@ -36,11 +42,26 @@ async def get_model(model_id: str):
 
 
 @bp.post("/responses")
+@requires("responses:write")
 async def create_response():
-    run = await start_run("v1")
+    body = await read_json()
+    req = parse_request(body)
+    if isinstance(body, dict) and "store" not in body:
+        req = req.model_copy(update={"store": True})  # OpenAI's default, which its clients rely on
+    run = await start_run("v1", req)
     if not run.req.stream:
         return v1_response(await run.run_to_end(), run.req, run.completed_at)
     return sse_response(stream_v1(run))
+
+
+@bp.get("/responses/<response_id>")
+@requires("responses:read")
+async def get_response(response_id: str):
+    stored = await asyncio.to_thread(state().responses.get, owner(), response_id)
+    if stored is None:
+        raise Problem("response_not_found", f"no stored response {response_id!r}")
+    req = parse_request(stored.request)
+    return v1_response(ResponseObject.model_validate(stored.response), req, stored.completed_at)
 
 
 async def stream_v1(run: ResponseRun):

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import AsyncIterator
+from typing import Any, AsyncIterator, Callable
+
+from pydantic import TypeAdapter
 
 from ..engine.events import Failed, Finished
 from ..engine.generate import GenerationParams
@@ -18,8 +20,9 @@ from ..engine.render import render
 from ..engine.worker import Engine
 from ..protocol.ids import new_id
 from ..protocol.problems import Problem
-from ..protocol.requests import ResponsesRequest
+from ..protocol.requests import InputItem, ResponsesRequest
 from ..protocol.responses import IncompleteDetails, InputTokensDetails, ResponseObject, ResponseUsage
+from .auth import owner
 from .conversation import prepare
 from .items import ItemEvent, ItemFolder
 
@@ -46,7 +49,12 @@ def check_capabilities(req: ResponsesRequest, capabilities: tuple[str, ...]) -> 
 
 
 class ResponseRun:
-    def __init__(self, engine: Engine, req: ResponsesRequest, route: str, prefill_step: int) -> None:
+    """`req` is the request as sent; `history` the stored conversation its
+    `previous_response_id` names, rendered before its input. `keep`, when the response is
+    to be stored, is called once it has ended."""
+
+    def __init__(self, engine: Engine, req: ResponsesRequest, route: str, prefill_step: int,
+                 history: list[InputItem] | None = None, keep: Callable[["ResponseRun"], None] | None = None) -> None:
         lm = engine.model
         assert lm is not None
         if req.model != lm.id:
@@ -66,11 +74,14 @@ class ResponseRun:
         self.error: dict | None = None
         self.job = None
         self.limited_by_context = False
+        self.history = history or []
+        self.keep = keep
 
     async def start(self) -> None:
         """Render and measure the prompt (off the event loop), then queue the job."""
         lm = self.engine.model
-        conv, grammar = prepare(self.req, self.route, lm.tokenizer, self.engine.calls, "reasoning" in lm.capabilities)
+        full = self.req.model_copy(update={"input": self.history + self.req.items()}) if self.history else self.req
+        conv, grammar = prepare(full, self.route, lm.tokenizer, self.engine.calls, "reasoning" in lm.capabilities)
         messages = conv.messages(self.engine.calls)
         prompt = await asyncio.to_thread(render, lm.tokenizer, messages, conv.template_tools())
         constraint = await asyncio.to_thread(self._constraint, grammar) if grammar else None
@@ -125,6 +136,13 @@ class ResponseRun:
                 for e in self.folder.feed(event):
                     yield e
         self.completed_at = int(time.time())
+        if self.keep is not None:
+            await asyncio.to_thread(self.keep, self)
+
+    def stored_request(self) -> dict[str, Any]:
+        """The request as the store keeps it: its own input items, not the history before them."""
+        return {**self.req.model_dump(mode="json", exclude_none=True),
+                "input": [item.model_dump(mode="json", exclude_none=True) for item in self.req.items()]}
 
     def cancel(self) -> None:
         """The client left: stop the worker at its next prefill chunk or decode step."""
@@ -155,11 +173,25 @@ class ResponseRun:
         return self.response()
 
 
-async def start_run(route: str) -> ResponseRun:
-    """Parse the request body and queue its generation: the common start of both routes."""
-    from .state import read_request, state
+_ITEMS = TypeAdapter(list[InputItem])
 
-    s = state()
-    run = ResponseRun(s.engine, await read_request(), route, s.settings.prefill_step)
+
+async def start_run(route: str, req: ResponsesRequest) -> ResponseRun:
+    """Queue a request's generation, its stored history first: the common start of every route."""
+    from .state import state
+
+    s, who = state(), owner()
+    history = None
+    if req.previous_response_id is not None:
+        items = await asyncio.to_thread(s.responses.conversation, who, req.previous_response_id)
+        if items is None:
+            raise Problem("response_not_found", f"no stored response {req.previous_response_id!r}",
+                          param="previous_response_id")
+        history = _ITEMS.validate_python(items)
+
+    def keep(run: ResponseRun) -> None:
+        s.responses.put(who, run.stored_request(), run.response().model_dump(mode="json"), run.completed_at)
+
+    run = ResponseRun(s.engine, req, route, s.settings.prefill_step, history, keep if req.store else None)
     await run.start()
     return run

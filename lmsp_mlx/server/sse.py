@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from typing import Any
 
 from quart import Response
@@ -10,13 +11,30 @@ from quart import Response
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
-def sse_response(events) -> Response:
-    """An event stream that proxies must not buffer."""
-    return Response(events, mimetype="text/event-stream", headers=SSE_HEADERS)
+def sse_response(events, headers: dict[str, str] | None = None) -> Response:
+    """An event stream that proxies must not buffer; `events` yields frames (str) or `SseEvent`s."""
+
+    async def frames():
+        async for e in events:
+            yield e if isinstance(e, str) else e.frame()
+
+    return Response(frames(), mimetype="text/event-stream", headers={**SSE_HEADERS, **(headers or {})})
 
 
 def _json(data: Any) -> str:
     return json.dumps(data, ensure_ascii=False, separators=(",", ":"))
+
+
+@dataclass(frozen=True)
+class SseEvent:
+    """One LMSP event: what a stream sends and a task's event log keeps."""
+
+    id: int
+    event: str
+    data: dict[str, Any]
+
+    def frame(self) -> str:
+        return f"id: {self.id}\nevent: {self.event}\ndata: {_json(self.data)}\n\n"
 
 
 class LmspEvents:
@@ -27,10 +45,10 @@ class LmspEvents:
         self.response_id = response_id
         self.last_id = 0
 
-    def __call__(self, name: str, **fields: Any) -> str:
+    def __call__(self, name: str, **fields: Any) -> SseEvent:
         self.last_id += 1
         data = {"type": name, "sequence_number": self.last_id, "response_id": self.response_id, **fields}
-        return f"id: {self.last_id}\nevent: {name}\ndata: {_json(data)}\n\n"
+        return SseEvent(self.last_id, name, data)
 
 
 class OpenResponsesEvents:

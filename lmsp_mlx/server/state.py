@@ -1,4 +1,4 @@
-"""What the routes share: the engine (which owns the model) and the server's settings."""
+"""What the routes share: the engine (which owns the model), the store, tasks, tokens, settings."""
 
 from __future__ import annotations
 
@@ -11,32 +11,43 @@ from quart import current_app, request
 from ..engine.worker import Engine
 from ..protocol.problems import Problem
 from ..protocol.requests import ResponsesRequest, parse_request
+from ..store import StoredResponses
+from .auth import Tokens
+from .tasks import Tasks
 
 
 @dataclass(frozen=True)
 class ServerSettings:
-    api_key: str | None = None
     prefill_step: int = 256
     max_body_bytes: int = 16 * 1024 * 1024
+    store_retention: float = 30 * 86400.0  # seconds a stored response or task is kept
+    event_retention: float = 3600.0  # seconds a task's events stay replayable after it ended
 
 
 @dataclass
 class ServerState:
     engine: Engine
     settings: ServerSettings
+    tokens: Tokens
+    responses: StoredResponses
+    tasks: Tasks
 
 
 def state() -> ServerState:
     return current_app.extensions["lmsp_mlx"]
 
 
-async def read_request() -> ResponsesRequest:
-    """The body as a validated request; malformed JSON is 400 `invalid_request`."""
+async def read_json() -> Any:
+    """The body as JSON; malformed JSON is 400 `invalid_request`."""
     raw = await request.get_data()
     try:
-        body: Any = json.loads(raw)
+        return json.loads(raw)
     except (ValueError, UnicodeDecodeError) as exc:
         raise Problem("invalid_request", f"the body is not valid JSON: {exc}") from None
     except RecursionError:
         raise Problem("invalid_request", "the body nests JSON too deeply") from None
-    return parse_request(body)
+
+
+async def read_request() -> ResponsesRequest:
+    """The body as a validated request."""
+    return parse_request(await read_json())

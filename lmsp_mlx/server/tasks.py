@@ -1,0 +1,200 @@
+"""Tasks: responses that run in the background and whose events can be resumed (section 6.4).
+
+A `LiveTask` drives one `ResponseRun` through the LMSP event stream whether or not anyone
+listens, keeps its events in memory for followers and writes them to the store in batches
+(every `FLUSH_EVERY` events or `FLUSH_SECONDS`, whichever comes first: one SQLite commit
+per token would tax the decode rate). The last batch and the task's end are one write.
+Followers replay from memory while the task lives, from the store after it ended.
+
+Plain responses sent with an `Idempotency-Key` run as tasks too: a retry then waits for,
+or re-attaches to, the work the first request started instead of generating again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from dataclasses import dataclass
+from typing import AsyncIterator
+
+from ..protocol.ids import new_id
+from ..protocol.problems import Problem
+from ..store import IdempotencyKeys, StoredEvent, TaskLog, TaskRecord
+from ..store.keys import body_hash
+from .run import ResponseRun
+from .sse import SseEvent
+
+log = logging.getLogger("lmsp_mlx.server")
+
+FLUSH_EVERY = 64
+FLUSH_SECONDS = 0.25
+
+
+def _stored(e: SseEvent) -> StoredEvent:
+    return StoredEvent(e.id, e.event, e.data)
+
+
+class LiveTask:
+    def __init__(self, task_id: str, owner: str, run: ResponseRun, log_: TaskLog) -> None:
+        self.id = task_id
+        self.owner = owner
+        self.run = run
+        self.created_at = time.time()
+        self.events: list[SseEvent] = []
+        self.done = False
+        self._log = log_
+        self._changed = asyncio.Condition()
+
+    @property
+    def status(self) -> str:
+        if self.done or self.run.status != "in_progress":
+            return self.run.status
+        return "in_progress" if self.run.job is not None and self.run.job.started else "queued"
+
+    async def drive(self, stream: AsyncIterator[SseEvent]) -> None:
+        """Run to the end, recording every event; never raises (a bug fails the task)."""
+        pending: list[StoredEvent] = []
+        flushed = time.monotonic()
+        try:
+            async for event in stream:
+                self.events.append(event)
+                pending.append(_stored(event))
+                async with self._changed:
+                    self._changed.notify_all()
+                if len(pending) >= FLUSH_EVERY or time.monotonic() - flushed >= FLUSH_SECONDS:
+                    await asyncio.to_thread(self._log.append, self.id, pending)
+                    pending, flushed = [], time.monotonic()
+        except Exception:
+            log.exception("task %s failed", self.id)
+            self.run.status = "failed"
+            self.run.error = Problem("internal_error", "the task failed inside the service").document()
+        response = self.run.response().model_dump(mode="json")
+        try:
+            await asyncio.to_thread(self._log.append, self.id, pending, self.run.status, response)
+        except Exception:
+            log.exception("task %s: its end could not be stored", self.id)
+        self.done = True
+        async with self._changed:
+            self._changed.notify_all()
+
+    async def follow(self, after: int) -> AsyncIterator[SseEvent]:
+        """Events with an id above `after` (ids are positions + 1), then the live ones until
+        the final event."""
+        i = after
+        while True:
+            while i < len(self.events):
+                i += 1
+                yield self.events[i - 1]
+            if self.done:
+                return
+            async with self._changed:
+                await self._changed.wait_for(lambda: self.done or len(self.events) > i)
+
+    async def wait(self) -> None:
+        async with self._changed:
+            await self._changed.wait_for(lambda: self.done)
+
+
+@dataclass
+class Submitted:
+    task_id: str
+    replayed: bool
+
+
+class Tasks:
+    """The live tasks of this process, over the store's task log and idempotency keys."""
+
+    def __init__(self, log_: TaskLog, keys: IdempotencyKeys) -> None:
+        self.log = log_
+        self.keys = keys
+        self.live: dict[str, LiveTask] = {}
+        self._drivers: set[asyncio.Task] = set()
+        self._key_locks: dict[tuple[str, str], asyncio.Lock] = {}
+
+    def start(self, owner: str, run: ResponseRun, stream: AsyncIterator[SseEvent]) -> LiveTask:
+        """Record a task for an already queued run and drive it in the background."""
+        task = LiveTask(new_id("task"), owner, run, self.log)
+        self.log.create(task.id, owner, run.id, run.stored_request())
+        self.live[task.id] = task
+        driver = asyncio.create_task(task.drive(stream), name=task.id)
+        self._drivers.add(driver)
+
+        def ended(t: asyncio.Task) -> None:
+            self._drivers.discard(t)
+            self.live.pop(task.id, None)
+
+        driver.add_done_callback(ended)
+        return task
+
+    async def start_once(self, owner: str, key: str | None, route: str, body: object, start) -> Submitted:
+        """`start()` (-> LiveTask) unless `key` already names work of this owner: then that
+        work, if the body is the same, or 422 `idempotency_key_reused`."""
+        if key is None:
+            return Submitted((await start()).id, replayed=False)
+        if not 1 <= len(key) <= 255:
+            raise Problem("invalid_request", "Idempotency-Key must be 1 to 255 characters", param="Idempotency-Key")
+        digest = body_hash(route, json.dumps(body, sort_keys=True, separators=(",", ":")).encode())
+        lock = self._key_locks.setdefault((owner, key), asyncio.Lock())
+        try:
+            async with lock:  # a concurrent duplicate waits here, then finds the first one's task
+                bound = await asyncio.to_thread(self.keys.find, owner, key)
+                if bound is not None:
+                    if bound[0] != digest:
+                        raise Problem("idempotency_key_reused",
+                                      "this Idempotency-Key was used with a different request body",
+                                      param="Idempotency-Key")
+                    return Submitted(bound[1], replayed=True)
+                task = await start()
+                await asyncio.to_thread(self.keys.bind, owner, key, digest, task.id)
+                return Submitted(task.id, replayed=False)
+        finally:
+            if not lock.locked():
+                self._key_locks.pop((owner, key), None)
+
+    def record(self, owner: str, task_id: str) -> TaskRecord | None:
+        return self.log.get(owner, task_id)
+
+    async def events(self, owner: str, task_id: str, after: int) -> AsyncIterator[SseEvent]:
+        """Events after `after`: live ones while the task runs, stored ones after it ended.
+        404 `task_not_found`, 410 `event_history_expired` (both raised before any event)."""
+        task = self.live.get(task_id)
+        if task is not None and task.owner == owner:
+            return task.follow(after)
+        record = await asyncio.to_thread(self.log.get, owner, task_id)
+        if record is None:
+            raise Problem("task_not_found", f"no task {task_id!r}")
+        if record.events_expired:
+            raise Problem("event_history_expired",
+                          f"the events of task {task_id!r} are past their retention; GET /lmsp/v1/tasks/{task_id} "
+                          "has its final result")
+        stored = await asyncio.to_thread(self.log.events_after, task_id, after)
+
+        async def replay() -> AsyncIterator[SseEvent]:
+            for e in stored:
+                yield SseEvent(e.id, e.event, e.data)
+
+        return replay()
+
+    def recover(self) -> int:
+        """At start: tasks the last process left running end `failed` with a final event."""
+        records = self.log.unfinished()
+        for r in records:
+            error = Problem("internal_error", "the service restarted while this task was running").document()
+            response = {"id": r.response_id, "object": "response", "created_at": int(r.created_at),
+                        "status": "failed", "model": r.request.get("model"), "output": [],
+                        "usage": None, "error": error, "incomplete_details": None}
+            final = StoredEvent(r.last_event_id + 1, "response.failed", {
+                "type": "response.failed", "sequence_number": r.last_event_id + 1, "response_id": r.response_id,
+                "status": "failed", "error": error,
+            })
+            self.log.append(r.id, [final], "failed", response)
+        if records:
+            log.warning("%d task(s) were running when the service stopped: marked failed", len(records))
+        return len(records)
+
+    async def shutdown(self, timeout: float = 30.0) -> None:
+        """Wait (bounded) for the drivers to record their tasks' ends after the engine cancelled them."""
+        if self._drivers:
+            await asyncio.wait(list(self._drivers), timeout=timeout)

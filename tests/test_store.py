@@ -1,0 +1,89 @@
+"""Stored responses and previous_response_id: a real server, a real SQLite file."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import httpx
+import pytest
+from conftest import ask
+from test_kv_cache import assistant, cached, kv_after, scripted_dir, sources, user, visible_prompt  # noqa: F401
+
+WRITER = {"Authorization": "Bearer writer-token"}
+OTHER = {"Authorization": "Bearer other-token"}
+
+
+@pytest.fixture(scope="module")
+def stored(start_server, tiny_model_dir, tmp_path_factory):
+    tokens = tmp_path_factory.mktemp("tokens") / "tokens.json"
+    everything = ["responses:write", "responses:read", "models:read"]
+    tokens.write_text(json.dumps({"writer-token": everything, "other-token": everything}))
+    return start_server("--model", str(tiny_model_dir), "--model-id", "tiny", "--tokens", str(tokens))
+
+
+def post(server, body, headers=WRITER, route="/lmsp/v1/responses") -> dict:
+    r = httpx.post(server.url + route, json=body, headers=headers, timeout=120)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def test_a_stored_response_is_returned_to_its_token_only(stored):
+    resp = post(stored, ask("Keep this one.", store=True))
+    got = httpx.get(f"{stored.url}/lmsp/v1/responses/{resp['id']}", headers=WRITER)
+    assert got.status_code == 200 and got.json() == resp
+    other = httpx.get(f"{stored.url}/lmsp/v1/responses/{resp['id']}", headers=OTHER)
+    assert other.status_code == 404 and other.json()["code"] == "response_not_found"
+    unstored = post(stored, ask("Not this one."))  # LMSP's default is store: false
+    assert httpx.get(f"{stored.url}/lmsp/v1/responses/{unstored['id']}", headers=WRITER).status_code == 404
+
+
+def test_another_token_cannot_continue_a_stored_response(stored):
+    resp = post(stored, ask("Mine.", store=True))
+    r = httpx.post(stored.url + "/lmsp/v1/responses", json=ask("Yours?", previous_response_id=resp["id"]),
+                   headers=OTHER, timeout=60)
+    assert r.status_code == 404 and r.json()["code"] == "response_not_found"
+
+
+def test_previous_response_id_continues_the_chain_and_prefills_only_the_new_turn(start_server, scripted_dir):
+    # The scripted model reasons (" the", hidden by its template in later turns), then says "OK".
+    server = start_server("--model", str(scripted_dir), "--model-id", "tiny")
+    first = post(server, ask("What does the lamp say?", store=True), headers={})
+    second = post(server, ask("Why?", store=True, previous_response_id=first["id"]), headers={})
+    third = post(server, ask("And then?", store=True, previous_response_id=second["id"]), headers={})
+    assert [o["type"] for o in third["output"]] == ["reasoning", "message"]
+    # Each continuation starts from everything the KV held after the response before it...
+    assert cached(second) == kv_after(first) and cached(third) == kv_after(second)
+    assert sources(server) == ["cold", "visible", "visible"]
+    # ...and its prompt is the stored chain as a stateless client would replay it, plus the
+    # 5 hidden reasoning tokens of each earlier turn that only the live KV holds.
+    history = [user("What does the lamp say?"), assistant("OK"), user("Why?"), assistant("OK"), user("And then?")]
+    assert third["usage"]["input_tokens"] == len(visible_prompt(scripted_dir, history)) + 2 * 5
+    stored = httpx.get(f"{server.url}/lmsp/v1/responses/{second['id']}").json()
+    assert stored == second
+
+
+def test_v1_stores_by_default_and_continues_with_previous_response_id(stored):
+    first = post(stored, {"model": "tiny", "input": "Count the boats.", "temperature": 0, "max_output_tokens": 6},
+                 route="/v1/responses")
+    assert first["store"] is True
+    got = httpx.get(f"{stored.url}/v1/responses/{first['id']}", headers=WRITER).json()
+    assert got["id"] == first["id"] and got["output"] == first["output"] and got["usage"] == first["usage"]
+    second = post(stored, {"model": "tiny", "input": "Again.", "temperature": 0, "max_output_tokens": 6,
+                           "previous_response_id": first["id"], "store": False}, route="/v1/responses")
+    assert second["previous_response_id"] == first["id"]
+    assert second["usage"]["input_tokens_details"]["cached_tokens"] >= first["usage"]["input_tokens"]
+    assert httpx.get(f"{stored.url}/v1/responses/{second['id']}", headers=WRITER).status_code == 404
+
+
+def test_stored_responses_past_retention_are_swept(start_server, tiny_model_dir):
+    server = start_server("--model", str(tiny_model_dir), "--model-id", "tiny", "--store-retention", "2s")
+    resp = post(server, ask("Short-lived.", store=True), headers={})
+    assert httpx.get(f"{server.url}/lmsp/v1/responses/{resp['id']}").status_code == 200
+    deadline = time.monotonic() + 30
+    while httpx.get(f"{server.url}/lmsp/v1/responses/{resp['id']}").status_code == 200:
+        assert time.monotonic() < deadline, "never swept"
+        time.sleep(0.3)
+    assert "store sweep: 1 responses" in server.log()
+    r = httpx.post(server.url + "/lmsp/v1/responses", json=ask("Next.", previous_response_id=resp["id"]), timeout=60)
+    assert r.status_code == 404 and r.json()["code"] == "response_not_found"

@@ -1,0 +1,136 @@
+"""Tasks (section 6.4): background work whose events a client can resume, on a real SQLite file."""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+import pytest
+from conftest import ask, read_sse
+
+FINAL = {"response.completed", "response.incomplete", "response.failed", "response.cancelled"}
+
+
+@pytest.fixture(scope="module")
+def tasks_server(start_server, tiny_model_dir):
+    return start_server("--model", str(tiny_model_dir), "--model-id", "tiny")
+
+
+def create(server, body: dict, headers: dict | None = None) -> httpx.Response:
+    return httpx.post(server.url + "/lmsp/v1/tasks", json={"request": body}, headers=headers or {}, timeout=60)
+
+
+def events(server, task_id: str, headers: dict | None = None, params: dict | None = None, stop_after: int | None = None):
+    """The task's events as read_sse records; with `stop_after`, disconnect once that id arrived."""
+    lines = []
+    with httpx.stream("GET", f"{server.url}/lmsp/v1/tasks/{task_id}/events", headers=headers or {},
+                      params=params, timeout=120) as r:
+        assert r.status_code == 200, r.read()
+        assert r.headers["content-type"].startswith("text/event-stream")
+        for line in r.iter_lines():
+            lines.append(line)
+            if stop_after is not None and line == "" and f"id: {stop_after}" in lines:
+                break  # event `stop_after` has arrived whole
+    out = read_sse(lines)
+    return [e for e in out if "data" in e] if stop_after is None else out[:stop_after]
+
+
+def wait_ended(server, task_id: str) -> dict:
+    deadline = time.monotonic() + 120
+    while (task := httpx.get(f"{server.url}/lmsp/v1/tasks/{task_id}").json())["status"] in ("queued", "in_progress"):
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    return task
+
+
+def test_a_task_runs_and_its_events_end_with_the_final_one(tasks_server):
+    r = create(tasks_server, ask(max_output_tokens=12))
+    assert r.status_code == 202
+    task = r.json()
+    assert task["object"] == "task" and task["status"] in ("queued", "in_progress", "completed", "incomplete")
+    assert r.headers["Location"] == f"/lmsp/v1/tasks/{task['id']}"
+    stream = events(tasks_server, task["id"])
+    assert [int(e["id"]) for e in stream] == list(range(1, len(stream) + 1))
+    assert stream[0]["event"] == "response.created" and stream[-1]["event"] == "response.incomplete"
+    assert all(e["data"]["response_id"] == task["response_id"] for e in stream)
+    ended = wait_ended(tasks_server, task["id"])
+    assert ended["status"] == "incomplete" and ended["response"]["id"] == task["response_id"]
+    assert ended["response"]["usage"]["output_tokens"] == 12
+    text = "".join(e["data"]["delta"] for e in stream if e["event"] == "response.output_text.delta")
+    assert ended["response"]["output"][0]["content"][0]["text"] == text
+
+
+@pytest.mark.parametrize("how", ["Last-Event-ID", "after", "both"])
+def test_a_dropped_stream_resumes_without_gaps_or_duplicates(tasks_server, how):
+    task = create(tasks_server, ask(max_output_tokens=40)).json()
+    k = 4
+    head = events(tasks_server, task["id"], stop_after=k)  # then the client drops the connection
+    assert [int(e["id"]) for e in head] == [1, 2, 3, 4]
+    if how == "Last-Event-ID":
+        rest = events(tasks_server, task["id"], headers={"Last-Event-ID": str(k)})
+    elif how == "after":
+        rest = events(tasks_server, task["id"], params={"after": k})
+    else:  # `after` wins over the header
+        rest = events(tasks_server, task["id"], headers={"Last-Event-ID": "1"}, params={"after": k})
+    uninterrupted = events(tasks_server, task["id"])
+    assert head + rest == uninterrupted
+    assert rest[-1]["event"] in FINAL and int(rest[0]["id"]) == k + 1
+
+
+def test_a_bad_after_is_400(tasks_server):
+    task = create(tasks_server, ask(max_output_tokens=2)).json()
+    r = httpx.get(f"{tasks_server.url}/lmsp/v1/tasks/{task['id']}/events", params={"after": "two"})
+    assert r.status_code == 400 and r.json()["param"] == "after"
+
+
+def test_cancel_ends_the_stream_with_response_cancelled(tasks_server):
+    task = create(tasks_server, ask(max_output_tokens=20000)).json()
+    r = httpx.post(f"{tasks_server.url}/lmsp/v1/tasks/{task['id']}/cancel", timeout=30)
+    assert r.status_code == 200 and r.json()["id"] == task["id"]
+    stream = events(tasks_server, task["id"])
+    assert stream[-1]["event"] == "response.cancelled" and stream[-1]["data"]["status"] == "cancelled"
+    assert wait_ended(tasks_server, task["id"])["status"] == "cancelled"
+
+
+def test_unknown_tasks_are_404(tasks_server):
+    for method, path in (("GET", ""), ("GET", "/events"), ("POST", "/cancel")):
+        r = httpx.request(method, f"{tasks_server.url}/lmsp/v1/tasks/task_nothing{path}")
+        assert r.status_code == 404 and r.json()["code"] == "task_not_found"
+
+
+def test_a_bad_task_body_is_400_and_no_task(tasks_server):
+    r = httpx.post(tasks_server.url + "/lmsp/v1/tasks", json=ask())  # not wrapped in {"request": ...}
+    assert r.status_code == 400 and r.json()["param"] == "request"
+    r = create(tasks_server, ask(temperature="hot"))
+    assert r.status_code == 400 and r.json()["code"] == "invalid_request"
+
+
+def test_events_past_retention_are_410_and_the_result_stays(start_server, tiny_model_dir):
+    server = start_server("--model", str(tiny_model_dir), "--model-id", "tiny", "--event-retention", "1s")
+    task = create(server, ask(max_output_tokens=3)).json()
+    assert events(server, task["id"])[-1]["event"] == "response.incomplete"
+    deadline = time.monotonic() + 30
+    while (r := httpx.get(f"{server.url}/lmsp/v1/tasks/{task['id']}/events")).status_code == 200:
+        assert time.monotonic() < deadline, "events never expired"
+        time.sleep(0.2)
+    assert r.status_code == 410 and r.json()["code"] == "event_history_expired"
+    assert httpx.get(f"{server.url}/lmsp/v1/tasks/{task['id']}").json()["response"]["usage"]["output_tokens"] == 3
+
+
+def test_a_task_running_when_the_server_is_killed_is_failed_after_restart(start_server, tiny_model_dir, tmp_path):
+    store = str(tmp_path / "store.sqlite3")
+    args = ("--model", str(tiny_model_dir), "--model-id", "tiny", "--store", store)
+    server = start_server(*args)
+    task = create(server, ask(max_output_tokens=20000)).json()
+    seen = events(server, task["id"], stop_after=6)
+    time.sleep(0.6)  # past one flush interval: some events are on disk
+    server.proc.kill()  # SIGKILL: no shutdown path runs
+    server.proc.wait()
+    again = start_server(*args)
+    ended = httpx.get(f"{again.url}/lmsp/v1/tasks/{task['id']}").json()
+    assert ended["status"] == "failed"
+    assert ended["response"]["error"]["code"] == "internal_error" and "restarted" in ended["response"]["error"]["detail"]
+    stored = events(again, task["id"])
+    assert stored[:6] == seen
+    assert [int(e["id"]) for e in stored] == list(range(1, len(stored) + 1))
+    assert stored[-1]["event"] == "response.failed"
