@@ -87,3 +87,15 @@ def test_stored_responses_past_retention_are_swept(start_server, tiny_model_dir)
     assert "store sweep: 1 responses" in server.log()
     r = httpx.post(server.url + "/lmsp/v1/responses", json=ask("Next.", previous_response_id=resp["id"]), timeout=60)
     assert r.status_code == 404 and r.json()["code"] == "response_not_found"
+
+
+def test_a_stored_conversation_continues_from_its_checkpoint_after_a_restart(start_server, scripted_dir, tmp_path):
+    args = ("--model", str(scripted_dir), "--model-id", "tiny", "--store", str(tmp_path / "store.sqlite3"),
+            "--kv-disk-dir", str(tmp_path / "kv"))
+    before = start_server(*args)
+    first = post(before, ask("What does the lamp say?", store=True), headers={})
+    before.stop()  # SIGTERM: the live KV is checkpointed, the store is on disk
+    after = start_server(*args)
+    nxt = post(after, ask("Why?", previous_response_id=first["id"]), headers={})
+    assert sources(after) == ["disk"]
+    assert cached(nxt) == kv_after(first)  # the hidden reasoning came back from disk too
