@@ -38,6 +38,14 @@ def test_a_stored_response_is_returned_to_its_token_only(stored):
     assert httpx.get(f"{stored.url}/lmsp/v1/responses/{unstored['id']}", headers=WRITER).status_code == 404
 
 
+def test_idempotency_keys_belong_to_their_token(stored):
+    key = {"Idempotency-Key": "shared-key"}
+    mine = httpx.post(stored.url + "/lmsp/v1/responses", json=ask("One."), headers={**WRITER, **key}, timeout=60)
+    theirs = httpx.post(stored.url + "/lmsp/v1/responses", json=ask("Two."), headers={**OTHER, **key}, timeout=60)
+    assert mine.status_code == theirs.status_code == 200  # not 422: another token's key is another key
+    assert mine.json()["id"] != theirs.json()["id"] and "Idempotent-Replayed" not in theirs.headers
+
+
 def test_another_token_cannot_continue_a_stored_response(stored):
     resp = post(stored, ask("Mine.", store=True))
     r = httpx.post(stored.url + "/lmsp/v1/responses", json=ask("Yours?", previous_response_id=resp["id"]),
