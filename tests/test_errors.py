@@ -138,8 +138,6 @@ def test_unsupported_lmsp_version(client):
 @pytest.mark.parametrize(
     "fields, param",
     [
-        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}},
-         "response_format"),
         ({"tools": [{"type": "code_interpreter"}]}, "tools[0].type"),
     ],
 )

@@ -24,7 +24,7 @@ def test_models_listing_reports_context_and_backend(client):
     assert [m["id"] for m in models] == ["tiny"]
     model = models[0]
     assert model["context_length"] == 32768
-    assert model["capabilities"] == ["text", "tools", "conversations"]  # no <think> tags: no "reasoning"
+    assert model["capabilities"] == ["text", "tools", "structured_output", "conversations"]  # no <think> tags: no "reasoning"
     assert model["backend"] in ("cpu", "metal", "cuda")
     assert model["quantization"]
     if model["backend"] == "cpu" and sys.platform.startswith("linux"):

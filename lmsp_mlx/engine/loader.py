@@ -19,7 +19,7 @@ import mlx.nn as nn
 
 log = logging.getLogger("lmsp_mlx.engine")
 
-CAPABILITIES = ("text", "tools")
+CAPABILITIES = ("text", "tools", "structured_output")
 
 
 class ModelLoadError(RuntimeError):

@@ -135,7 +135,7 @@ def v1_response(resp: ResponseObject, request: Any, completed_at: int | None) ->
         "top_logprobs": 0,
         "presence_penalty": 0.0,
         "frequency_penalty": 0.0,
-        "text": {"format": {"type": "text"}},
+        "text": {"format": (request.text or {}).get("format") or {"type": "text"}},
         "tool_choice": request.tool_choice or "auto",
         "tools": request.tools or [],
         "truncation": "disabled",

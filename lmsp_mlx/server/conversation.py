@@ -3,7 +3,10 @@
 - `tools` are validated (LMSP: `function` only; /v1 also accepts Codex's `namespace`
   groups, flattened to `group.name`, and ignores hosted tool types).
 - `tool_choice`: `none` offers no tools; `required` and a named function constrain the
-  reply to one call (of that function), with arguments valid against its schema.
+  reply to one call (of that function), with arguments valid against its schema; under
+  `auto`, calls to strict tools are held to their schemas (engine/grammar.py).
+- `response_format` / `text.format` `json_schema`: the reply is JSON valid against it; a
+  schema the engine cannot compile is 400 with its reason and JSON pointer.
 - A request that begins with tool outputs for calls it does not contain continues the
   live turn that made those calls: it is expanded to that turn's conversation and must find
   its live (or checkpointed) KV state, else 409 `continuation_state_unavailable`.
@@ -16,11 +19,9 @@ from __future__ import annotations
 
 from pydantic import TypeAdapter
 
-import json
-
 from ..cache.calls import CallMemory
-from ..engine.constrain import lark_literal
-from ..engine.output import DEFAULT_CALL, OutputFormat
+from ..engine.constrain import GrammarError
+from ..engine.grammar import ReplySpec, Tool, check_schema
 from ..engine.tools import native_tools
 from ..engine.turn import Conversation
 from ..protocol.problems import Problem
@@ -56,30 +57,51 @@ def tool_choice(req: ResponsesRequest, tools: list[FunctionTool]) -> str | Funct
                   param="tool_choice.name")
 
 
-def call_grammar(choice: str | FunctionTool, tools: list[FunctionTool], tokenizer) -> str | None:
-    """The Lark grammar that `required` / a named function impose on the reply: one call,
-    `<tool_call>` + JSON (name and schema-valid arguments) + `</tool_call>`. None for
-    `auto`/`none`, and for models whose call syntax is not that JSON (README)."""
-    if choice in ("auto", "none") or OutputFormat.of(tokenizer).call != DEFAULT_CALL:
-        return None
-    chosen = [choice] if isinstance(choice, FunctionTool) else tools
-    calls = [{
-        "type": "object",
-        "properties": {"name": {"const": t.name}, "arguments": t.parameters or {"type": "object"}},
-        "required": ["name", "arguments"],
-        "additionalProperties": False,
-    } for t in chosen]
-    schema = calls[0] if len(calls) == 1 else {"anyOf": calls}
-    # Compact JSON: with free whitespace a weak model can pad a call with blanks forever.
-    schema = {**schema, "x-guidance": {"whitespace_flexible": False, "key_separator": ": ", "item_separator": ", "}}
-    start, end = DEFAULT_CALL
-    return (f"start: {lark_literal(start + chr(10))} call {lark_literal(chr(10) + end)}\n"
-            f"call: %json {json.dumps(schema)}\n")
+def reply_spec(req: ResponsesRequest, route: str, choice: str | FunctionTool,
+               tools: list[FunctionTool]) -> ReplySpec | None:
+    """The constraint on the reply: a forced call, JSON for a schema, strict calls, or none.
+
+    Function tools are enforced unless they say `strict: false` (OpenAI's Responses API
+    defaults to strict); `required` and a named choice always are."""
+    schema, where = response_schema(req, route)
+    if isinstance(choice, FunctionTool) or choice == "required":
+        chosen = [choice] if isinstance(choice, FunctionTool) else tools
+        return ReplySpec("call", tools=tuple(Tool(t.name, t.parameters) for t in chosen))
+    strict = tuple(Tool(t.name, t.parameters) for t in tools if t.strict is not False) if choice == "auto" else ()
+    if schema is not None:
+        try:
+            check_schema(schema, where)
+        except GrammarError as exc:
+            raise Problem("invalid_request", str(exc), param=where) from None
+        return ReplySpec("json_or_call" if strict else "json", schema=schema, tools=strict)
+    return ReplySpec("calls", tools=strict) if strict else None
+
+
+def response_schema(req: ResponsesRequest, route: str) -> tuple[dict | bool | None, str]:
+    """The JSON Schema the reply must follow, if any, and where the request gave it:
+    LMSP's `response_format` (`{"type": "json_schema", "json_schema": {"name", "schema"}}`)
+    or /v1's `text.format` (`{"type": "json_schema", "name", "schema", "strict"}`).
+    `json_object` means any JSON object."""
+    fmt, where = (req.response_format.model_dump() if req.response_format else None), "response_format"
+    if fmt is None and route == "v1" and isinstance(req.text, dict) and isinstance(req.text.get("format"), dict):
+        fmt, where = req.text["format"], "text.format"
+    if fmt is None or fmt.get("type", "text") == "text":
+        return None, where
+    if fmt["type"] == "json_object":
+        return {"type": "object"}, where
+    if fmt["type"] != "json_schema":
+        raise Problem("invalid_request", f"unknown {where} type {fmt['type']!r}", param=f"{where}.type")
+    holder = fmt.get("json_schema") if where == "response_format" and "schema" not in fmt else fmt
+    if not isinstance(holder, dict) or "schema" not in holder:
+        path = f"{where}.json_schema.schema" if where == "response_format" else f"{where}.schema"
+        raise Problem("invalid_request", f"{path} is required for a json_schema format", param=path)
+    inner = "json_schema.schema" if holder is not fmt else "schema"
+    return holder["schema"], f"{where}.{inner}"
 
 
 def prepare(req: ResponsesRequest, route: str, tokenizer, calls: CallMemory,
-            reasoning: bool) -> tuple[Conversation, str | None]:
-    """The conversation to render, and the grammar its reply must follow (or None)."""
+            reasoning: bool) -> tuple[Conversation, ReplySpec | None]:
+    """The conversation to render, and the constraint on its reply (or None)."""
     tools = function_tools(req.tools, compat=route == "v1")
     choice = tool_choice(req, tools)
     items = req.items()
@@ -101,7 +123,7 @@ def prepare(req: ResponsesRequest, route: str, tokenizer, calls: CallMemory,
         _check_reasoning(req.items(), calls)
     offered = [] if choice == "none" else tools
     conv = Conversation(items, req.instructions, offered, native_tools(tokenizer), live)
-    return conv, call_grammar(choice, tools, tokenizer)
+    return conv, reply_spec(req, route, choice, tools)
 
 
 def _check_reasoning(items: list[InputItem], calls: CallMemory) -> None:

@@ -8,6 +8,7 @@ framing (sync JSON, LMSP SSE, Open Responses SSE).
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from typing import Any, AsyncIterator, Callable
 
@@ -16,6 +17,8 @@ from pydantic import TypeAdapter
 from ..engine.events import Failed, Finished
 from ..engine.generate import GenerationParams
 from ..engine.constrain import Constraint, GrammarError
+from ..engine.grammar import ReplySpec, full_grammar
+from ..engine.output import OutputFormat
 from ..engine.render import render
 from ..engine.worker import Engine
 from ..protocol.ids import new_id
@@ -25,6 +28,8 @@ from ..protocol.responses import IncompleteDetails, InputTokensDetails, Response
 from .auth import owner
 from .conversation import prepare
 from .items import ItemEvent, ItemFolder
+
+log = logging.getLogger("lmsp_mlx.server")
 
 
 def check_capabilities(req: ResponsesRequest, capabilities: tuple[str, ...]) -> None:
@@ -81,10 +86,10 @@ class ResponseRun:
         """Render and measure the prompt (off the event loop), then queue the job."""
         lm = self.engine.model
         full = self.req.model_copy(update={"input": self.history + self.req.items()}) if self.history else self.req
-        conv, grammar = prepare(full, self.route, lm.tokenizer, self.engine.calls, "reasoning" in lm.capabilities)
+        conv, spec = prepare(full, self.route, lm.tokenizer, self.engine.calls, "reasoning" in lm.capabilities)
         messages = conv.messages(self.engine.calls)
         prompt = await asyncio.to_thread(render, lm.tokenizer, messages, conv.template_tools())
-        constraint = await asyncio.to_thread(self._constraint, grammar) if grammar else None
+        constraint = await asyncio.to_thread(self._constraint, spec, prompt.text) if spec else None
         n, ctx = len(prompt.tokens), lm.context_length
         if n >= ctx:
             raise Problem(
@@ -105,11 +110,19 @@ class ResponseRun:
         )
         self.job = self.engine.submit(params, self.route, text=prompt.text, conv=conv)
 
-    def _constraint(self, grammar: str) -> Constraint:
+    def _constraint(self, spec: ReplySpec, prompt_text: str) -> Constraint | None:
+        """The reply's grammar, compiled before any generation (a failure is a 400)."""
+        tokenizer = self.engine.model.tokenizer
+        fmt = OutputFormat.of(tokenizer)
+        lark = full_grammar(spec, fmt, fmt.opens_in_reasoning(prompt_text), tokenizer)
+        if lark is None:
+            log.info("the reply constraint (%s) cannot be expressed for this model's call syntax: not enforced", spec.kind)
+            return None
         try:
-            return Constraint(self.engine.model.tokenizer, grammar)
-        except GrammarError as exc:  # a schema the engine cannot compile, before any generation
-            raise Problem("invalid_request", f"a tool's parameters cannot be enforced: {exc}", param="tools") from None
+            return Constraint(tokenizer, lark)
+        except GrammarError as exc:
+            where = "tools" if spec.kind in ("call", "calls") else "response_format"
+            raise Problem("invalid_request", f"the reply's constraint cannot be compiled: {exc}", param=where) from None
 
     async def events(self) -> AsyncIterator[ItemEvent]:
         """Item-level events as the worker produces them; the final state is set at the end."""

@@ -1,0 +1,158 @@
+"""What a reply must look like, as an llguidance Lark grammar (docs/syntax.md of llguidance).
+
+A request can constrain its reply three ways:
+- `response_format` / `text.format` `json_schema`: the reply is one JSON value valid
+  against the schema;
+- `tool_choice` `required` or a named function: the reply is one tool call whose
+  arguments are valid against that function's `parameters`;
+- strict function tools under `tool_choice: auto`: free text, but once the model opens a
+  tool call the call must name an offered function with valid arguments (llguidance's
+  "lazy" lexeme: anything until the call marker, then the schema).
+
+A reasoning model keeps its reasoning free: the constraint starts after the think block
+(or after its closing tag, when the chat template opened the block in the prompt). JSON is
+generated compact (no free whitespace): a small model given free whitespace can pad a
+value with blanks until the token limit.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import llguidance
+
+from .constrain import GrammarError, lark_literal, ll_tokenizer
+from .output import DEFAULT_CALL, OutputFormat
+
+COMPACT = {"whitespace_flexible": False, "key_separator": ": ", "item_separator": ", "}
+
+
+@dataclass(frozen=True)
+class Tool:
+    name: str
+    parameters: dict[str, Any] | None
+
+
+@dataclass(frozen=True)
+class ReplySpec:
+    """The constraint a request puts on its reply, before the model's markup is known."""
+
+    kind: Literal["json", "json_or_call", "call", "calls"]  # calls: text with strict tool calls
+    schema: dict[str, Any] | bool | None = None  # kinds json, json_or_call
+    tools: tuple[Tool, ...] = ()  # kind call / calls
+
+
+def json_rule(schema: dict[str, Any] | bool) -> str:
+    body = {"x-guidance": COMPACT} if schema is True else {**schema, "x-guidance": COMPACT}
+    return "%json " + json.dumps(body, ensure_ascii=False)
+
+
+def check_schema(schema: Any, where: str) -> None:
+    """Compile `schema` alone; a GrammarError names the engine's reason and the JSON pointer
+    (within the schema) of the deepest subschema that fails by itself."""
+    if not isinstance(schema, (dict, bool)):
+        raise GrammarError(f"{where} must be a JSON Schema object, not {type(schema).__name__}")
+    reason = _compile_error(schema)
+    if reason is None:
+        return
+    pointer = _deepest_failing(schema, schema, "")
+    raise GrammarError(f"{where} cannot be enforced: {reason.strip()} (at JSON pointer '{pointer}')")
+
+
+def _compile_error(schema: Any) -> str | None:
+    try:
+        grammar = llguidance.LLMatcher.grammar_from_json_schema(schema)
+        return llguidance.LLMatcher.validate_grammar(grammar) or None
+    except Exception as exc:  # llguidance raises ValueError/RuntimeError with its reason
+        return str(exc) or type(exc).__name__
+
+
+_SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+_SUBSCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
+_SUBSCHEMA_ONE = ("items", "additionalProperties", "not", "if", "then", "else", "contains", "propertyNames")
+
+
+def _deepest_failing(root: dict | bool, schema: Any, pointer: str) -> str:
+    """The pointer of the deepest subschema that fails to compile on its own (given the
+    root's definitions, so that its references still resolve)."""
+    defs = {k: root[k] for k in ("$defs", "definitions") if isinstance(root, dict) and isinstance(root.get(k), dict)}
+    for child_pointer, child in _children(schema, pointer):
+        if isinstance(child, dict) and _compile_error({**defs, **child}) is not None:
+            return _deepest_failing(root, child, child_pointer)
+    return pointer
+
+
+def _children(schema: Any, pointer: str) -> list[tuple[str, Any]]:
+    if not isinstance(schema, dict):
+        return []
+    out: list[tuple[str, Any]] = []
+    for key in _SUBSCHEMA_MAPS:
+        if isinstance(schema.get(key), dict):
+            out += [(f"{pointer}/{key}/{_escape(k)}", v) for k, v in schema[key].items()]
+    for key in _SUBSCHEMA_LISTS:
+        if isinstance(schema.get(key), list):
+            out += [(f"{pointer}/{key}/{i}", v) for i, v in enumerate(schema[key])]
+    for key in _SUBSCHEMA_ONE:
+        if key in schema:
+            out.append((f"{pointer}/{key}", schema[key]))
+    return out
+
+
+def _escape(key: str) -> str:
+    return key.replace("~", "~0").replace("/", "~1")
+
+
+def call_schema(tools: tuple[Tool, ...]) -> dict[str, Any]:
+    """A `<tool_call>` body: the name of one of `tools` and arguments valid for it."""
+    calls = [{
+        "type": "object",
+        "properties": {"name": {"const": t.name}, "arguments": t.parameters or {"type": "object"}},
+        "required": ["name", "arguments"],
+        "additionalProperties": False,
+    } for t in tools]
+    return calls[0] if len(calls) == 1 else {"anyOf": calls}
+
+
+def reply_rules(spec: ReplySpec, fmt: OutputFormat) -> str | None:
+    """Lark rules defining `reply`; None where this model's call syntax cannot be
+    constrained (calls that are not `<tool_call>` JSON: README)."""
+    json_reply = f"reply: {json_rule(spec.schema)}\n" if spec.schema is not None else None
+    if fmt.call != DEFAULT_CALL:
+        return json_reply
+    start, end = (lark_literal(m) for m in DEFAULT_CALL)
+    body = f"call_body: {json_rule(call_schema(spec.tools))}\n" if spec.tools else ""
+    if spec.kind == "json":
+        return json_reply
+    if spec.kind == "json_or_call":  # the JSON answer, or one call instead
+        return f"reply: {json_rule(spec.schema)} | {start} \"\\n\" call_body \"\\n\" {end}\n" + body
+    if spec.kind == "call":
+        return f"reply: {start} \"\\n\" call_body \"\\n\" {end}\n" + body
+    return ("reply: (call_head call)* TEXT\n"
+            "TEXT: /(.|\\n)*/\n"
+            f"call_head[lazy]: TEXT {start}\n"
+            f"call: \"\\n\" call_body \"\\n\" {end}\n" + body)
+
+
+def full_grammar(spec: ReplySpec, fmt: OutputFormat, opened: bool, tokenizer) -> str | None:
+    """The grammar of the whole sampled text: the reasoning block (free), then `reply`.
+    `opened`: the prompt already opened the think block."""
+    rules = reply_rules(spec, fmt)
+    if rules is None:
+        return None
+    if fmt.think is None:
+        return "start: reply\n" + rules
+    open_tag, close_tag = fmt.think
+    # Special-token markers are matched as tokens (<think>); text markers lazily as text.
+    special = f"<{open_tag.strip('<>')}>" == open_tag and f"<{close_tag.strip('<>')}>" == close_tag
+    for as_tokens in ((True, False) if special else (False,)):
+        o, c = (open_tag, close_tag) if as_tokens else (lark_literal(open_tag), lark_literal(close_tag))
+        lazy = "" if as_tokens else "[lazy]"
+        think = f"think_rest{lazy}: /(.|\\n)*/ {c}\n" + ("" if opened else f"think: {o} think_rest\n")
+        start = "start: think_rest WS reply\n" if opened else "start: think? WS reply\n"
+        grammar = start + think + "WS: /[ \\t\\n]*/\n" + rules
+        if as_tokens and llguidance.LLMatcher(ll_tokenizer(tokenizer), llguidance.LLMatcher.grammar_from_lark(grammar)).is_error():
+            continue  # the tokenizer does not know them as special tokens
+        return grammar
+    return None

@@ -1,0 +1,178 @@
+"""Structured output: every reply under a JSON Schema parses and validates (llguidance).
+
+The schema suite runs on the embedded default model at temperature 0 and 1. Its free
+strings carry a maxLength and its fractional numbers a multipleOf: without them a 135M
+model can ramble a value (digits after the point, greedily) into the token limit, which
+ends `incomplete`, as it must (README, "Structured output")."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import jsonschema
+import pytest
+from conftest import read_sse
+from test_kv_cache import scripted_dir  # noqa: F401
+
+NAME = {"type": "string", "minLength": 1, "maxLength": 24}
+
+SCHEMAS = {
+    "flat object": {"type": "object", "properties": {"name": NAME, "age": {"type": "integer"}},
+                    "required": ["name", "age"], "additionalProperties": False},
+    "optional field": {"type": "object", "properties": {"city": NAME, "zip": {"type": "string", "pattern": "^[0-9]{5}$"}},
+                       "required": ["city"], "additionalProperties": False},
+    "nested": {"type": "object", "properties": {"owner": {"type": "object", "properties": {"name": NAME,
+               "contact": {"type": "object", "properties": {"email": {"type": "string", "pattern": "^[a-z]{1,8}@[a-z]{1,8}\\.com$"}},
+                           "required": ["email"], "additionalProperties": False}}, "required": ["name", "contact"],
+               "additionalProperties": False}}, "required": ["owner"], "additionalProperties": False},
+    "array bounds": {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 9}, "minItems": 2, "maxItems": 4},
+    "array of objects": {"type": "array", "minItems": 1, "maxItems": 3, "items": {"type": "object",
+                         "properties": {"id": {"type": "integer", "minimum": 1}, "label": NAME},
+                         "required": ["id", "label"], "additionalProperties": False}},
+    "enum": {"type": "object", "properties": {"color": {"enum": ["red", "green", "blue"]}}, "required": ["color"],
+             "additionalProperties": False},
+    "const": {"type": "object", "properties": {"version": {"const": 2}, "ok": {"type": "boolean"}},
+              "required": ["version", "ok"], "additionalProperties": False},
+    "anyOf": {"anyOf": [{"type": "object", "properties": {"cat": NAME}, "required": ["cat"], "additionalProperties": False},
+                        {"type": "object", "properties": {"dog": {"type": "integer"}}, "required": ["dog"],
+                         "additionalProperties": False}]},
+    "number bounds": {"type": "object", "properties": {"t": {"type": "number", "minimum": -10.5, "maximum": 40,
+                                                             "multipleOf": 0.25}},
+                      "required": ["t"], "additionalProperties": False},
+    "exclusive bounds": {"type": "object", "properties": {"p": {"type": "integer", "exclusiveMinimum": 0, "exclusiveMaximum": 100}},
+                         "required": ["p"], "additionalProperties": False},
+    "pattern": {"type": "object", "properties": {"code": {"type": "string", "pattern": "^[A-Z]{3}-[0-9]{3}$"}},
+                "required": ["code"], "additionalProperties": False},
+    "date format": {"type": "object", "properties": {"day": {"type": "string", "format": "date"}}, "required": ["day"],
+                    "additionalProperties": False},
+    "boolean": {"type": "boolean"},
+    "integer": {"type": "integer", "minimum": 1, "maximum": 6},
+    "string enum array": {"type": "array", "items": {"enum": ["a", "b", "c"]}, "minItems": 1, "maxItems": 3},
+    "nullable": {"type": "object", "properties": {"note": {"type": ["string", "null"], "maxLength": 16}},
+                 "required": ["note"], "additionalProperties": False},
+    "all required": {"type": "object", "properties": {k: {"type": "integer"} for k in "abcd"},
+                     "required": list("abcd"), "additionalProperties": False},
+    "refs": {"$defs": {"point": {"type": "object", "properties": {"x": {"type": "integer"}, "y": {"type": "integer"}},
+                                 "required": ["x", "y"], "additionalProperties": False}},
+             "type": "object", "properties": {"a": {"$ref": "#/$defs/point"}, "b": {"$ref": "#/$defs/point"}},
+             "required": ["a", "b"], "additionalProperties": False},
+    "deep nesting": {"type": "object", "properties": {"a": {"type": "object", "properties": {"b": {"type": "object",
+                     "properties": {"c": {"type": "integer"}}, "required": ["c"], "additionalProperties": False}},
+                     "required": ["b"], "additionalProperties": False}}, "required": ["a"], "additionalProperties": False},
+    "oneOf": {"oneOf": [{"type": "integer", "maximum": -1}, {"type": "string", "maxLength": 5}]},
+    "object with array": {"type": "object", "properties": {"title": NAME, "steps": {"type": "array", "items": NAME,
+                          "minItems": 1, "maxItems": 3}}, "required": ["title", "steps"], "additionalProperties": False},
+    "string length": {"type": "string", "minLength": 3, "maxLength": 8},
+}
+
+
+@pytest.fixture(scope="module")
+def server(default_server):
+    return default_server
+
+
+def ask_json(server, schema, temperature, route="/lmsp/v1/responses", max_tokens=300, **fields):
+    body = {"model": "SmolLM2-135M-Instruct", "input": "Reply with an example value as JSON.", "temperature": temperature,
+            "max_output_tokens": max_tokens, **fields}
+    if route == "/v1/responses":
+        body["text"] = {"format": {"type": "json_schema", "name": "example", "schema": schema, "strict": True}}
+    else:
+        body["response_format"] = {"type": "json_schema", "json_schema": {"name": "example", "schema": schema}}
+    return httpx.post(server.url + route, json=body, timeout=600)
+
+
+def message_text(resp: dict) -> str:
+    return next(o["content"][0]["text"] for o in resp["output"] if o["type"] == "message")
+
+
+def test_structured_output_is_advertised(server):
+    assert "structured_output" in httpx.get(server.url + "/lmsp/v1/models").json()["data"][0]["capabilities"]
+
+
+@pytest.mark.parametrize("temperature", [0, 1])
+@pytest.mark.parametrize("name", list(SCHEMAS))
+def test_every_reply_validates_against_its_schema(server, name, temperature):
+    r = ask_json(server, SCHEMAS[name], temperature)
+    assert r.status_code == 200, r.text
+    resp = r.json()
+    assert resp["status"] == "completed", resp
+    jsonschema.validate(json.loads(message_text(resp)), SCHEMAS[name])
+
+
+def test_v1_text_format_streams_valid_json(server):
+    schema = SCHEMAS["nested"]
+    body = {"model": "SmolLM2-135M-Instruct", "input": "An owner as JSON.", "temperature": 1, "max_output_tokens": 300,
+            "stream": True, "text": {"format": {"type": "json_schema", "name": "owner", "schema": schema}}}
+    with httpx.stream("POST", server.url + "/v1/responses", json=body, timeout=600) as r:
+        events = read_sse(list(r.iter_lines()))
+    deltas = "".join(e["data"]["delta"] for e in events if e.get("event") == "response.output_text.delta")
+    final = next(e["data"]["response"] for e in events if e.get("event") == "response.completed")
+    assert final["text"]["format"]["type"] == "json_schema"
+    jsonschema.validate(json.loads(deltas), schema)
+    assert message_text(final) == deltas
+
+
+def test_the_token_limit_mid_json_is_incomplete_and_not_repaired(server):
+    resp = ask_json(server, SCHEMAS["array of objects"], 0, max_tokens=6).json()
+    assert resp["status"] == "incomplete" and resp["incomplete_details"]["reason"] == "max_output_tokens"
+    text = message_text(resp)
+    assert text.startswith("[") and resp["usage"]["output_tokens"] == 6
+    with pytest.raises(json.JSONDecodeError):
+        json.loads(text)
+
+
+@pytest.mark.parametrize("schema, pointer, reason", [
+    ({"type": "object", "properties": {"a": {"type": "string", "pattern": "(?<=a)b"}}}, "/properties/a", "look-around"),
+    ({"type": "object", "properties": {"list": {"type": "array", "items": {"type": "wibble"}}}},
+     "/properties/list/items", "wibble"),
+    ({"type": "object", "properties": {"p": {"$ref": "#/$defs/missing"}}}, "/properties/p", "missing"),
+    ({"type": "string", "format": "not-a-format"}, "", "not-a-format"),
+])
+def test_a_schema_the_engine_cannot_compile_is_400_with_its_pointer(server, schema, pointer, reason):
+    for route, param in (("/lmsp/v1/responses", "response_format.json_schema.schema"),
+                         ("/v1/responses", "text.format.schema")):
+        r = ask_json(server, schema, 0, route=route)
+        assert r.status_code == 400, r.text
+        err = r.json() if route.startswith("/lmsp") else r.json()["error"]
+        detail = err["detail"] if route.startswith("/lmsp") else err["message"]
+        assert err["code"] == "invalid_request" and err["param"] == param
+        assert f"JSON pointer '{pointer}'" in detail and reason in detail
+
+
+def test_a_format_without_a_schema_is_400(server):
+    r = httpx.post(server.url + "/lmsp/v1/responses", json={
+        "model": "SmolLM2-135M-Instruct", "input": "x", "response_format": {"type": "json_schema", "json_schema": {"name": "x"}}})
+    assert r.status_code == 400 and r.json()["param"] == "response_format.json_schema.schema"
+
+
+WEATHER = {"type": "function", "name": "get_weather", "description": "Current weather for a city",
+           "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 30},
+                                                           "unit": {"enum": ["celsius", "fahrenheit"]}},
+                          "required": ["city", "unit"], "additionalProperties": False}}
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "name": "get_weather"}, "auto"])
+@pytest.mark.parametrize("temperature", [0, 1])
+def test_strict_tool_arguments_validate(server, choice, temperature):
+    body = {"model": "SmolLM2-135M-Instruct", "input": "What is the weather in Hangzhou? Use the tool.",
+            "tools": [{**WEATHER, "strict": True}], "tool_choice": choice, "temperature": temperature,
+            "max_output_tokens": 200}
+    resp = httpx.post(server.url + "/lmsp/v1/responses", json=body, timeout=600).json()
+    calls = [o for o in resp["output"] if o["type"] == "function_call"]
+    if choice != "auto":
+        assert len(calls) == 1
+    for call in calls:  # under auto the model may answer in text; any call it makes is valid
+        assert call["name"] == "get_weather"
+        jsonschema.validate(json.loads(call["arguments"]), WEATHER["parameters"])
+
+
+def test_a_reasoning_model_reasons_freely_then_answers_in_json(start_server, scripted_dir):  # noqa: F811
+    server = start_server("--model", str(scripted_dir), "--model-id", "tiny")
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"], "additionalProperties": False}
+    resp = httpx.post(server.url + "/lmsp/v1/responses", json={
+        "model": "tiny", "input": "Is it on?", "temperature": 0, "max_output_tokens": 40,
+        "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}}, timeout=120).json()
+    reasoning = [o for o in resp["output"] if o["type"] == "reasoning"]
+    assert reasoning and reasoning[0]["summary"][0]["text"] == " the"  # the script's reasoning, untouched
+    jsonschema.validate(json.loads(message_text(resp)), schema)
