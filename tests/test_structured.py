@@ -8,6 +8,7 @@ ends `incomplete`, as it must (README, "Structured output")."""
 from __future__ import annotations
 
 import json
+import re
 
 import httpx
 import jsonschema
@@ -176,3 +177,45 @@ def test_a_reasoning_model_reasons_freely_then_answers_in_json(start_server, scr
     reasoning = [o for o in resp["output"] if o["type"] == "reasoning"]
     assert reasoning and reasoning[0]["summary"][0]["text"] == " the"  # the script's reasoning, untouched
     jsonschema.validate(json.loads(message_text(resp)), schema)
+
+
+PATCH = {"type": "custom", "name": "apply_patch", "description": "Edits files with a patch.",
+         "format": {"type": "grammar", "syntax": "lark",
+                    "definition": 'start: "*** Begin Patch\\n" line{1,4} "*** End Patch"\nline: /[+-][a-z ]{1,30}\\n/\n'}}
+PATCH_TEXT = re.compile(r"\*\*\* Begin Patch\n([+-][a-z ]{1,30}\n){1,4}\*\*\* End Patch")
+
+
+@pytest.mark.parametrize("temperature", [0, 1])
+def test_a_custom_tool_call_follows_its_lark_grammar(server, temperature):
+    body = {"model": "SmolLM2-135M-Instruct", "input": "Add a line saying hello to the readme.", "tools": [PATCH],
+            "tool_choice": {"type": "custom", "name": "apply_patch"}, "temperature": temperature, "max_output_tokens": 200}
+    resp = httpx.post(server.url + "/v1/responses", json=body, timeout=600).json()
+    [call] = [o for o in resp["output"] if o["type"] == "custom_tool_call"]
+    assert call["name"] == "apply_patch" and call["call_id"].startswith("call_") and call["id"].startswith("ctc_")
+    assert PATCH_TEXT.fullmatch(call["input"]), call["input"]
+    # The client runs it and sends the result back: the next turn continues the live KV.
+    nxt = httpx.post(server.url + "/v1/responses", json={
+        **body, "tool_choice": "auto",
+        "input": [{"role": "user", "content": body["input"]}, call,
+                  {"type": "custom_tool_call_output", "call_id": call["call_id"], "output": "Done."}]}, timeout=600).json()
+    assert nxt["status"] in ("completed", "incomplete")
+    assert nxt["usage"]["input_tokens_details"]["cached_tokens"] > resp["usage"]["input_tokens"]
+
+
+def test_a_custom_tool_call_streams_its_input(server):
+    body = {"model": "SmolLM2-135M-Instruct", "input": "Remove the old line.", "tools": [PATCH], "stream": True,
+            "tool_choice": "required", "temperature": 0, "max_output_tokens": 200}
+    with httpx.stream("POST", server.url + "/v1/responses", json=body, timeout=600) as r:
+        events = [e for e in read_sse(list(r.iter_lines())) if "event" in e]
+    deltas = "".join(e["data"]["delta"] for e in events if e["event"] == "response.custom_tool_call_input.delta")
+    [done] = [e["data"] for e in events if e["event"] == "response.custom_tool_call_input.done"]
+    assert deltas == done["input"] and PATCH_TEXT.fullmatch(done["input"])
+
+
+def test_custom_tools_are_v1_only_and_a_bad_grammar_is_400(server):
+    r = httpx.post(server.url + "/lmsp/v1/responses", json={
+        "model": "SmolLM2-135M-Instruct", "input": "x", "tools": [PATCH]})
+    assert r.status_code == 400 and r.json()["code"] == "unsupported_capability"
+    bad = {**PATCH, "format": {"type": "grammar", "syntax": "lark", "definition": "start: undefined_rule\n"}}
+    r = httpx.post(server.url + "/v1/responses", json={"model": "SmolLM2-135M-Instruct", "input": "x", "tools": [bad]})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_request"

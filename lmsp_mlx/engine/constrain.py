@@ -42,12 +42,12 @@ def lark_literal(text: str) -> str:
 
 
 class Constraint:
-    def __init__(self, tokenizer, lark: str) -> None:
+    def __init__(self, tokenizer, grammar: str) -> None:
+        """`grammar`: Lark text, or llguidance's JSON form with several grammars."""
         try:
-            grammar = llguidance.LLMatcher.grammar_from_lark(lark)
+            self.matcher = llguidance.LLMatcher(ll_tokenizer(tokenizer), grammar)
         except Exception as exc:
             raise GrammarError(str(exc)) from None
-        self.matcher = llguidance.LLMatcher(ll_tokenizer(tokenizer), grammar)
         if self.matcher.is_error():
             raise GrammarError(self.matcher.get_error())
         self.vocab = ll_tokenizer(tokenizer).vocab_size

@@ -21,7 +21,8 @@ class ToolCall:
     id: str
     call_id: str
     name: str
-    arguments: str  # JSON text
+    arguments: str  # JSON text; a custom tool's raw input
+    custom: bool = False
 
 
 @dataclass(frozen=True)

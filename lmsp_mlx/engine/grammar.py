@@ -32,7 +32,9 @@ COMPACT = {"whitespace_flexible": False, "key_separator": ": ", "item_separator"
 @dataclass(frozen=True)
 class Tool:
     name: str
-    parameters: dict[str, Any] | None
+    parameters: dict[str, Any] | None = None
+    custom: bool = False  # a Codex-style custom tool: raw input after its name line
+    grammar: str | None = None  # its Lark grammar, if it has one (else free text)
 
 
 @dataclass(frozen=True)
@@ -115,34 +117,60 @@ def call_schema(tools: tuple[Tool, ...]) -> dict[str, Any]:
     return calls[0] if len(calls) == 1 else {"anyOf": calls}
 
 
-def reply_rules(spec: ReplySpec, fmt: OutputFormat) -> str | None:
-    """Lark rules defining `reply`; None where this model's call syntax cannot be
-    constrained (calls that are not `<tool_call>` JSON: README)."""
-    json_reply = f"reply: {json_rule(spec.schema)}\n" if spec.schema is not None else None
-    if fmt.call != DEFAULT_CALL:
+@dataclass(frozen=True)
+class Rules:
+    """Lark rules defining `reply`, and the custom tools' grammars they reference by name."""
+
+    text: str
+    grammars: dict[str, str]
+
+
+def reply_rules(spec: ReplySpec, fmt: OutputFormat) -> Rules | None:
+    """The rules of `reply`; None where this model's call syntax cannot be constrained
+    (calls that are not `<tool_call>` JSON: README)."""
+    json_reply = Rules(f"reply: {json_rule(spec.schema)}\n", {}) if spec.schema is not None else None
+    if fmt.call != DEFAULT_CALL or spec.kind == "json":
         return json_reply
     start, end = (lark_literal(m) for m in DEFAULT_CALL)
-    body = f"call_body: {json_rule(call_schema(spec.tools))}\n" if spec.tools else ""
-    if spec.kind == "json":
-        return json_reply
+    calls, rules, grammars = [], "", {}
+    functions = tuple(t for t in spec.tools if not t.custom)
+    if functions:
+        calls.append("call_json")
+        rules += f"call_json: \"\\n\" call_body \"\\n\" {end}\n" + f"call_body: {json_rule(call_schema(functions))}\n"
+    for i, tool in enumerate(t for t in spec.tools if t.custom):
+        head = lark_literal("\n" + json.dumps({"name": tool.name}) + "\n")
+        if tool.grammar is not None:
+            grammars[f"custom_{i}"] = tool.grammar
+            rules += f"call_custom_{i}: {head} @custom_{i} \"\\n\" {end}\n"
+        else:  # free text up to the closing marker
+            rules += f"call_custom_{i}[lazy]: {head} /(.|\\n)*/ \"\\n\" {end}\n"
+        calls.append(f"call_custom_{i}")
+    rules += f"call: {' | '.join(calls)}\n"
     if spec.kind == "json_or_call":  # the JSON answer, or one call instead
-        return f"reply: {json_rule(spec.schema)} | {start} \"\\n\" call_body \"\\n\" {end}\n" + body
+        return Rules(f"reply: {json_rule(spec.schema)} | {start} call\n" + rules, grammars)
     if spec.kind == "call":
-        return f"reply: {start} \"\\n\" call_body \"\\n\" {end}\n" + body
-    return ("reply: (call_head call)* TEXT\n"
-            "TEXT: /(.|\\n)*/\n"
-            f"call_head[lazy]: TEXT {start}\n"
-            f"call: \"\\n\" call_body \"\\n\" {end}\n" + body)
+        return Rules(f"reply: {start} call\n" + rules, grammars)
+    return Rules("reply: (call_head call)* TEXT\nTEXT: /(.|\\n)*/\n" f"call_head[lazy]: TEXT {start}\n" + rules, grammars)
+
+
+def _top_level(lark: str, grammars: dict[str, str]) -> str:
+    """llguidance's input: the Lark text alone, or its JSON form when custom tools' grammars
+    are referenced from it (`@name`)."""
+    if not grammars:
+        return lark
+    return json.dumps({"grammars": [{"lark_grammar": lark},
+                                    *({"name": name, "lark_grammar": g} for name, g in grammars.items())]})
 
 
 def full_grammar(spec: ReplySpec, fmt: OutputFormat, opened: bool, tokenizer) -> str | None:
     """The grammar of the whole sampled text: the reasoning block (free), then `reply`.
     `opened`: the prompt already opened the think block."""
-    rules = reply_rules(spec, fmt)
-    if rules is None:
+    found = reply_rules(spec, fmt)
+    if found is None:
         return None
+    rules = found.text
     if fmt.think is None:
-        return "start: reply\n" + rules
+        return _top_level("start: reply\n" + rules, found.grammars)
     open_tag, close_tag = fmt.think
     # Special-token markers are matched as tokens (<think>); text markers lazily as text.
     special = f"<{open_tag.strip('<>')}>" == open_tag and f"<{close_tag.strip('<>')}>" == close_tag
@@ -150,9 +178,9 @@ def full_grammar(spec: ReplySpec, fmt: OutputFormat, opened: bool, tokenizer) ->
         o, c = (open_tag, close_tag) if as_tokens else (lark_literal(open_tag), lark_literal(close_tag))
         lazy = "" if as_tokens else "[lazy]"
         think = f"think_rest{lazy}: /(.|\\n)*/ {c}\n" + ("" if opened else f"think: {o} think_rest\n")
-        start = "start: think_rest WS reply\n" if opened else "start: think? WS reply\n"
-        grammar = start + think + "WS: /[ \\t\\n]*/\n" + rules
-        if as_tokens and llguidance.LLMatcher(ll_tokenizer(tokenizer), llguidance.LLMatcher.grammar_from_lark(grammar)).is_error():
+        start = "start: think_rest WS reply\n" if opened else "start: WS think? WS reply\n"
+        grammar = _top_level(start + think + "WS: /[ \\t\\n]*/\n" + rules, found.grammars)
+        if as_tokens and llguidance.LLMatcher(ll_tokenizer(tokenizer), grammar).is_error():
             continue  # the tokenizer does not know them as special tokens
         return grammar
     return None

@@ -29,7 +29,8 @@ DEFAULT_CALL = ("<tool_call>", "</tool_call>")
 @dataclass(frozen=True)
 class ParsedCall:
     name: str
-    arguments: str  # JSON text
+    arguments: str  # JSON text; a custom tool's raw input
+    custom: bool = False
 
 
 @dataclass(frozen=True)
@@ -120,6 +121,9 @@ class OutputParser:
 
     def _calls(self, body: str) -> list:
         raw = self.fmt.call[0] + body + self.fmt.call[1]
+        if (custom := self._custom_call(body)) is not None:
+            self.visible.append(raw)
+            return [custom]
         try:
             parsed = self.fmt.parse(body, tool_specs(list(self.tools.values())))  # mlx-lm parsers take HF specs
             calls = parsed if isinstance(parsed, list) else [parsed]
@@ -138,6 +142,22 @@ class OutputParser:
             return [self._text(raw)]
         self.visible.append(raw)
         return result
+
+    def _custom_call(self, body: str) -> ParsedCall | None:
+        """`\n{"name": "<custom tool>"}\n<raw input>\n`: a custom tool's call (tools.py)."""
+        if self.fmt.call != DEFAULT_CALL or not self.tools or not any(t.custom for t in self.tools.values()):
+            return None
+        inner = body[1:] if body.startswith("\n") else body
+        inner = inner[:-1] if inner.endswith("\n") else inner
+        head, newline, rest = inner.partition("\n")
+        try:
+            name = json.loads(head).get("name")
+        except (ValueError, AttributeError):
+            return None
+        tool = self.tools.get(name) if isinstance(name, str) else None
+        if tool is None or not tool.custom or json.loads(head) != {"name": name}:
+            return None
+        return ParsedCall(name, rest if newline else "", custom=True)
 
 
 def _held_back(buf: str, markers: list[str]) -> int:

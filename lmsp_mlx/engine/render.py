@@ -116,11 +116,12 @@ def _assistant_turn(group: list[InputItem], native_tools: bool, memory: CallMemo
         message["content"] = sampled.visible
     elif calls and native_tools:
         message["tool_calls"] = [
-            {"id": c.call_id, "type": "function", "function": {"name": _qualified(c), "arguments": _json_or_text(c.arguments)}}
+            {"id": c.call_id, "type": "function", "function": {
+                "name": _qualified(c), "arguments": {"input": c.arguments} if c.custom else _json_or_text(c.arguments)}}
             for c in calls
         ]
     elif calls:
-        message["content"] = "\n".join(([text] if text else []) + [call_text(_qualified(c), c.arguments) for c in calls])
+        message["content"] = "\n".join(([text] if text else []) + [call_text(_qualified(c), c.arguments, c.custom) for c in calls])
     if reasoning:
         message["reasoning_content"] = reasoning  # templates that replay reasoning (Qwen3) read this
     return message

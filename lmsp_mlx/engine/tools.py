@@ -29,23 +29,44 @@ def native_tools(tokenizer) -> bool:
     return isinstance(template, str) and "tools" in template
 
 
+CUSTOM_PROMPT = (
+    "\n\nTools of type \"custom\" take their input as raw text, not JSON: write the tool name "
+    "on the first line and the input after it:\n<tool_call>\n{{\"name\": <tool-name>}}\n<input>\n</tool_call>"
+)
+
+
 def tool_specs(tools: list[FunctionTool]) -> list[dict]:
-    """The tools as chat templates (and mlx-lm's tool parsers) expect them."""
+    """The tools as chat templates (and mlx-lm's tool parsers) expect them. A custom tool is
+    shown as a function of one string, `input`, to templates that only know functions."""
     return [
         {"type": "function", "function": {
             "name": t.name, "description": t.description or "",
             "parameters": t.parameters or {"type": "object", "properties": {}},
+        }} if not t.custom else
+        {"type": "function", "function": {
+            "name": t.name, "description": t.description or "",
+            "parameters": {"type": "object", "properties": {"input": {"type": "string"}}, "required": ["input"]},
         }}
         for t in tools
     ]
 
 
 def tool_prompt(tools: list[FunctionTool]) -> str:
-    return TOOL_PROMPT.format(tools="\n".join(json.dumps(s, ensure_ascii=False) for s in tool_specs(tools)))
+    """The Hermes block; custom tools are listed as they are (with their grammar) and the
+    raw-input call form is explained."""
+    specs = [json.dumps(s, ensure_ascii=False) for t, s in zip(tools, tool_specs(tools)) if not t.custom]
+    specs += [json.dumps({"type": "custom", "name": t.name, "description": t.description or "",
+                          **({"grammar": t.grammar} if t.grammar else {})}, ensure_ascii=False)
+              for t in tools if t.custom]
+    prompt = TOOL_PROMPT.format(tools="\n".join(specs))
+    return prompt + (CUSTOM_PROMPT.format() if any(t.custom for t in tools) else "")
 
 
-def call_text(name: str, arguments: str) -> str:
-    """A call in the project's format, for calls the server did not sample itself."""
+def call_text(name: str, arguments: str, custom: bool = False) -> str:
+    """A call in the project's format, for calls the server did not sample itself; a custom
+    tool's call carries its raw input after the name line."""
+    if custom:
+        return "<tool_call>\n" + json.dumps({"name": name}, ensure_ascii=False) + "\n" + arguments + "\n</tool_call>"
     try:
         args = json.loads(arguments)
     except ValueError:

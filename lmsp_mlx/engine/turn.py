@@ -58,7 +58,8 @@ class TurnOutput:
     def _send(self, events: list) -> None:
         for e in events:
             if isinstance(e, ParsedCall):
-                e = ToolCall(id=new_id("fc"), call_id=new_id("call"), name=e.name, arguments=e.arguments)
+                e = ToolCall(id=new_id("ctc" if e.custom else "fc"), call_id=new_id("call"), name=e.name,
+                             arguments=e.arguments, custom=e.custom)
                 self.calls.append(e)
             elif isinstance(e, ReasoningDelta):
                 self.reasoning.append(e.text)
@@ -77,7 +78,7 @@ class TurnOutput:
         for c in self.calls:
             namespace, _, name = c.name.rpartition(".")
             items.append(FunctionCallItem(type="function_call", call_id=c.call_id, name=name,
-                                          namespace=namespace or None, arguments=c.arguments, id=c.id))
+                                          namespace=namespace or None, arguments=c.arguments, id=c.id, custom=c.custom))
         return items
 
     def remember(self, memory: CallMemory) -> CallTurn | None:

@@ -58,10 +58,11 @@ class FunctionCallItem(_Strict):
     type: Literal["function_call"]
     call_id: str
     name: str
-    arguments: str
+    arguments: str  # for a custom tool's call: its raw input
     id: str | None = None
     namespace: str | None = None  # Codex: a function of a `namespace` tool group
     status: str | None = None
+    custom: bool = False  # internal: a /v1 `custom_tool_call` (see ResponsesRequest.items)
 
 
 class FunctionCallOutputItem(_Strict):
@@ -93,18 +94,64 @@ class ReasoningItem(_Strict):
         return "\n".join(str(p.get("text", "")) for p in parts if isinstance(p, dict))
 
 
+class CustomToolCallItem(_Strict):
+    """/v1: a call of a Codex-style `custom` tool, whose input is free text (or follows the
+    tool's grammar). The server handles it as a function call with raw arguments."""
+
+    type: Literal["custom_tool_call"]
+    call_id: str
+    name: str
+    input: str
+    id: str | None = None
+    status: str | None = None
+
+
+class CustomToolCallOutputItem(_Strict):
+    type: Literal["custom_tool_call_output"]
+    call_id: str
+    output: Any
+    id: str | None = None
+
+
 InputItem = Annotated[
-    Union[MessageItem, FunctionCallItem, FunctionCallOutputItem, ReasoningItem],
+    Union[MessageItem, FunctionCallItem, FunctionCallOutputItem, ReasoningItem, CustomToolCallItem,
+          CustomToolCallOutputItem],
     Field(discriminator="type"),
 ]
 
 
+def _plain(item: InputItem) -> InputItem:
+    """Custom tool calls and their outputs as the function calls and outputs the engine renders."""
+    if isinstance(item, CustomToolCallItem):
+        return FunctionCallItem(type="function_call", call_id=item.call_id, name=item.name, arguments=item.input,
+                                id=item.id, status=item.status, custom=True)
+    if isinstance(item, CustomToolCallOutputItem):
+        return FunctionCallOutputItem(type="function_call_output", call_id=item.call_id, output=item.output, id=item.id)
+    return item
+
+
 class FunctionTool(_Strict):
-    type: Literal["function"]
+    """A function tool, or (on /v1) a Codex-style `custom` tool: free-text input, optionally
+    following a Lark grammar (`format: {"type": "grammar", "syntax": "lark", "definition"}`)."""
+
+    type: Literal["function", "custom"]
     name: Annotated[str, Field(pattern=r"^[A-Za-z0-9_.:-]{1,128}$")]
     description: str | None = None
     parameters: dict[str, Any] | None = None
     strict: bool | None = None
+    format: dict[str, Any] | None = None  # custom tools
+
+    @property
+    def custom(self) -> bool:
+        return self.type == "custom"
+
+    @property
+    def grammar(self) -> str | None:
+        """A custom tool's Lark grammar, if its format has one."""
+        f = self.format or {}
+        if f.get("type") == "grammar" and f.get("syntax", "lark") == "lark" and isinstance(f.get("definition"), str):
+            return f["definition"]
+        return None
 
 
 # Hosted tools OpenAI-style clients (Codex) list; on /v1 they are accepted and not offered.
@@ -123,7 +170,7 @@ def function_tools(tools: list[dict[str, Any]] | None, *, compat: bool) -> list[
     for i, tool in enumerate(tools or []):
         kind = tool.get("type") if isinstance(tool, dict) else None
         where = f"tools[{i}]"
-        if kind == "function":
+        if kind == "function" or kind == "custom" and compat:
             out.append(_tool(tool, where))
         elif kind == "namespace" and compat and isinstance(tool.get("tools"), list):
             for j, sub in enumerate(tool["tools"]):
@@ -133,7 +180,8 @@ def function_tools(tools: list[dict[str, Any]] | None, *, compat: bool) -> list[
         elif compat and kind in HOSTED_TOOL_TYPES:
             continue
         else:
-            raise Problem("unsupported_capability", f"tool type {kind!r} is not supported: only 'function' tools are",
+            supported = "'function' and 'custom' tools are" if compat else "only 'function' tools are"
+            raise Problem("unsupported_capability", f"tool type {kind!r} is not supported: {supported}",
                           param=f"{where}.type")
     return out
 
@@ -180,11 +228,11 @@ class ResponsesRequest(_Strict):
     def items(self) -> list[InputItem]:
         if isinstance(self.input, str):
             return [MessageItem(role="user", content=self.input)]
-        return list(self.input)
+        return [_plain(item) for item in self.input]
 
 
 _UNION_TAGS = {
-    "message", "function_call", "function_call_output", "reasoning",
+    "message", "function_call", "function_call_output", "reasoning", "custom_tool_call", "custom_tool_call_output",
     "input_text", "output_text", "input_image", "input_audio", "input_file",
 }
 

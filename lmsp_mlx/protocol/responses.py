@@ -31,6 +31,16 @@ class FunctionCallOutput(BaseModel):
     arguments: str
 
 
+class CustomToolCallOutput(BaseModel):
+    """/v1 only: a call of a Codex-style `custom` tool; `input` is its raw text."""
+
+    id: str
+    type: Literal["custom_tool_call"] = "custom_tool_call"
+    call_id: str
+    name: str
+    input: str
+
+
 class SummaryText(BaseModel):
     type: Literal["summary_text"] = "summary_text"
     text: str
@@ -44,7 +54,7 @@ class ReasoningOutput(BaseModel):
     summary: list[SummaryText]
 
 
-OutputItem = Union[MessageOutput, FunctionCallOutput, ReasoningOutput]
+OutputItem = Union[MessageOutput, FunctionCallOutput, CustomToolCallOutput, ReasoningOutput]
 
 
 class InputTokensDetails(BaseModel):
@@ -84,6 +94,9 @@ def v1_item(item: OutputItem, status: str) -> dict[str, Any]:
         if "." in item.name:  # a function of a Codex `namespace` group
             out["namespace"], out["name"] = item.name.split(".", 1)
         return out
+    if isinstance(item, CustomToolCallOutput):
+        return {"id": item.id, "type": "custom_tool_call", "status": status, "call_id": item.call_id,
+                "name": item.name, "input": item.input}
     if isinstance(item, ReasoningOutput):
         return {"id": item.id, "type": "reasoning", "status": status, "encrypted_content": None,
                 "summary": [p.model_dump() for p in item.summary]}

@@ -47,7 +47,7 @@ def tool_choice(req: ResponsesRequest, tools: list[FunctionTool]) -> str | Funct
             raise Problem("invalid_request", "tool_choice 'required' needs at least one function tool", param="tool_choice")
         return choice
     name = choice.get("name") or (choice.get("function") or {}).get("name")
-    if choice.get("type") != "function" or not isinstance(name, str):
+    if choice.get("type") not in ("function", "custom") or not isinstance(name, str):
         raise Problem("invalid_request", "tool_choice must be auto, none, required or "
                       "{\"type\": \"function\", \"name\": ...}", param="tool_choice")
     for t in tools:
@@ -62,12 +62,13 @@ def reply_spec(req: ResponsesRequest, route: str, choice: str | FunctionTool,
     """The constraint on the reply: a forced call, JSON for a schema, strict calls, or none.
 
     Function tools are enforced unless they say `strict: false` (OpenAI's Responses API
-    defaults to strict); `required` and a named choice always are."""
+    defaults to strict); `required` and a named choice always are; a custom tool's input
+    always follows its grammar."""
     schema, where = response_schema(req, route)
     if isinstance(choice, FunctionTool) or choice == "required":
         chosen = [choice] if isinstance(choice, FunctionTool) else tools
-        return ReplySpec("call", tools=tuple(Tool(t.name, t.parameters) for t in chosen))
-    strict = tuple(Tool(t.name, t.parameters) for t in tools if t.strict is not False) if choice == "auto" else ()
+        return ReplySpec("call", tools=tuple(_tool(t) for t in chosen))
+    strict = tuple(_tool(t) for t in tools if t.strict is not False or t.custom) if choice == "auto" else ()
     if schema is not None:
         try:
             check_schema(schema, where)
@@ -75,6 +76,10 @@ def reply_spec(req: ResponsesRequest, route: str, choice: str | FunctionTool,
             raise Problem("invalid_request", str(exc), param=where) from None
         return ReplySpec("json_or_call" if strict else "json", schema=schema, tools=strict)
     return ReplySpec("calls", tools=strict) if strict else None
+
+
+def _tool(t: FunctionTool) -> Tool:
+    return Tool(t.name, t.parameters, custom=t.custom, grammar=t.grammar)
 
 
 def response_schema(req: ResponsesRequest, route: str) -> tuple[dict | bool | None, str]:

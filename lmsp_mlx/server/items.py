@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from ..engine.events import ReasoningDelta, TextDelta, ToolCall
 from ..protocol.ids import new_id
 from ..protocol.responses import (
+    CustomToolCallOutput,
     FunctionCallOutput,
     MessageOutput,
     OutputItem,
@@ -43,10 +44,13 @@ class ItemFolder:
             return self._delta(ReasoningOutput, "reasoning", event.text)
         if isinstance(event, ToolCall):
             out = self.close()
-            item = FunctionCallOutput(id=event.id, call_id=event.call_id, name=event.name, arguments=event.arguments)
+            if event.custom:
+                item = CustomToolCallOutput(id=event.id, call_id=event.call_id, name=event.name, input=event.arguments)
+            else:
+                item = FunctionCallOutput(id=event.id, call_id=event.call_id, name=event.name, arguments=event.arguments)
             self.items.append(item)
             i = len(self.items) - 1
-            start = item.model_copy(update={"arguments": ""})
+            start = item.model_copy(update={"input" if event.custom else "arguments": ""})
             return out + [ItemEvent("added", i, start), ItemEvent("arguments", i, start, event.arguments),
                           ItemEvent("done", i, item)]
         return []

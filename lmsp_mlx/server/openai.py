@@ -12,7 +12,7 @@ from quart import Blueprint
 
 from ..protocol.problems import Problem
 from ..protocol.requests import parse_request
-from ..protocol.responses import MessageOutput, ReasoningOutput, ResponseObject, v1_item, v1_response
+from ..protocol.responses import CustomToolCallOutput, MessageOutput, ReasoningOutput, ResponseObject, v1_item, v1_response
 from .auth import owner, requires
 from .items import ItemEvent
 from .run import ResponseRun, start_run
@@ -105,6 +105,8 @@ def v1_item_events(e: ItemEvent) -> list[tuple[str, dict]]:
         return [("response.output_text.delta", {**where, "content_index": 0, "delta": e.delta, "logprobs": []})]
     if e.kind == "reasoning":
         return [("response.reasoning_summary_text.delta", {**where, "summary_index": 0, "delta": e.delta})]
+    if e.kind == "arguments" and isinstance(e.item, CustomToolCallOutput):
+        return [("response.custom_tool_call_input.delta", {**where, "delta": e.delta})]
     if e.kind == "arguments":
         return [("response.function_call_arguments.delta", {**where, "delta": e.delta})]
     out = []
@@ -117,6 +119,8 @@ def v1_item_events(e: ItemEvent) -> list[tuple[str, dict]]:
         out += [("response.reasoning_summary_text.done", {**where, "summary_index": 0, "text": text}),
                 ("response.reasoning_summary_part.done",
                  {**where, "summary_index": 0, "part": {"type": "summary_text", "text": text}})]
+    elif isinstance(e.item, CustomToolCallOutput):
+        out.append(("response.custom_tool_call_input.done", {**where, "input": e.item.input}))
     else:
         out.append(("response.function_call_arguments.done", {**where, "arguments": e.item.arguments}))
     out.append(("response.output_item.done", {"output_index": e.index, "item": v1_item(e.item, "completed")}))
