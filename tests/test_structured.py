@@ -219,3 +219,12 @@ def test_custom_tools_are_v1_only_and_a_bad_grammar_is_400(server):
     bad = {**PATCH, "format": {"type": "grammar", "syntax": "lark", "definition": "start: undefined_rule\n"}}
     r = httpx.post(server.url + "/v1/responses", json={"model": "SmolLM2-135M-Instruct", "input": "x", "tools": [bad]})
     assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_request"
+
+
+@pytest.mark.parametrize("route, field", [("/lmsp/v1/responses", "response_format"), ("/v1/responses", "text")])
+def test_json_object_means_any_json_object(server, route, field):
+    fmt = {"type": "json_object"}
+    body = {"model": "SmolLM2-135M-Instruct", "input": "A small JSON object, please.", "temperature": 0,
+            "max_output_tokens": 120, field: fmt if field == "response_format" else {"format": fmt}}
+    resp = httpx.post(server.url + route, json=body, timeout=600).json()
+    assert resp["status"] == "completed" and isinstance(json.loads(message_text(resp)), dict)
