@@ -230,3 +230,15 @@ def test_json_object_means_any_json_object(server, route, field):
             "max_output_tokens": 120, field: fmt if field == "response_format" else {"format": fmt}}
     resp = httpx.post(server.url + route, json=body, timeout=600).json()
     assert resp["status"] == "completed" and isinstance(json.loads(message_text(resp)), dict)
+
+
+def test_a_tool_schema_that_cannot_be_enforced_is_400_only_when_strict_was_asked(server):
+    lookaround = {"type": "object", "properties": {"q": {"type": "string", "pattern": "(?<=a)b"}}}
+    tool = {"type": "function", "name": "search", "description": "Search.", "parameters": lookaround}
+    body = {"model": "SmolLM2-135M-Instruct", "input": "Search for cats.", "temperature": 0, "max_output_tokens": 30}
+    r = httpx.post(server.url + "/lmsp/v1/responses", json={**body, "tools": [{**tool, "strict": True}]}, timeout=600)
+    assert r.status_code == 400 and r.json()["param"] == "tools[0].parameters"
+    assert "JSON pointer '/properties/q'" in r.json()["detail"]
+    # Strict by default only: the tool stays callable with any object as its arguments.
+    r = httpx.post(server.url + "/lmsp/v1/responses", json={**body, "tools": [tool]}, timeout=600)
+    assert r.status_code == 200, r.text

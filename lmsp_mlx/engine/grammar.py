@@ -7,7 +7,10 @@ A request can constrain its reply three ways:
   arguments are valid against that function's `parameters`;
 - strict function tools under `tool_choice: auto`: free text, but once the model opens a
   tool call the call must name an offered function with valid arguments (llguidance's
-  "lazy" lexeme: anything until the call marker, then the schema).
+  "lazy" lexeme: anything until the call marker, then the schema);
+- Codex-style custom tools: the call's raw input (after a `{"name": ...}` line) follows
+  the tool's own Lark grammar, compiled as a separate grammar so that its rule names
+  cannot clash with these.
 
 A reasoning model keeps its reasoning free: the constraint starts after the think block
 (or after its closing tag, when the chat template opened the block in the prompt). JSON is
@@ -107,7 +110,8 @@ def _escape(key: str) -> str:
 
 
 def call_schema(tools: tuple[Tool, ...]) -> dict[str, Any]:
-    """A `<tool_call>` body: the name of one of `tools` and arguments valid for it."""
+    """A `<tool_call>` body: the name of one of `tools` and arguments valid for it (any
+    object for a tool whose `parameters` are None)."""
     calls = [{
         "type": "object",
         "properties": {"name": {"const": t.name}, "arguments": t.parameters or {"type": "object"}},

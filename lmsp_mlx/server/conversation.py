@@ -17,6 +17,8 @@
 
 from __future__ import annotations
 
+import logging
+
 from pydantic import TypeAdapter
 
 from ..cache.calls import CallMemory
@@ -37,6 +39,7 @@ from ..protocol.requests import (
 )
 
 _ITEMS = TypeAdapter(list[InputItem])
+log = logging.getLogger("lmsp_mlx.server")
 
 
 def tool_choice(req: ResponsesRequest, tools: list[FunctionTool]) -> str | FunctionTool:
@@ -61,25 +64,43 @@ def reply_spec(req: ResponsesRequest, route: str, choice: str | FunctionTool,
                tools: list[FunctionTool]) -> ReplySpec | None:
     """The constraint on the reply: a forced call, JSON for a schema, strict calls, or none.
 
-    Function tools are enforced unless they say `strict: false` (OpenAI's Responses API
-    defaults to strict); `required` and a named choice always are; a custom tool's input
-    always follows its grammar."""
+    `required` and a named choice force one call with valid arguments (a schema that cannot
+    be enforced is then a 400). Under `auto`, function
+    tools are enforced unless they say `strict: false` (OpenAI's Responses API defaults to
+    strict); a tool whose schema llguidance cannot compile is enforced only if it asked for
+    `strict: true` explicitly (else 400), otherwise its arguments need only be an object,
+    and so do those of `strict: false` tools, so that every offered tool stays callable.
+    A custom tool's input always follows its grammar."""
     schema, where = response_schema(req, route)
-    if isinstance(choice, FunctionTool) or choice == "required":
-        chosen = [choice] if isinstance(choice, FunctionTool) else tools
-        return ReplySpec("call", tools=tuple(_tool(t) for t in chosen))
-    strict = tuple(_tool(t) for t in tools if t.strict is not False or t.custom) if choice == "auto" else ()
     if schema is not None:
         try:
             check_schema(schema, where)
         except GrammarError as exc:
             raise Problem("invalid_request", str(exc), param=where) from None
-        return ReplySpec("json_or_call" if strict else "json", schema=schema, tools=strict)
-    return ReplySpec("calls", tools=strict) if strict else None
+    if isinstance(choice, FunctionTool) or choice == "required":
+        chosen = [choice] if isinstance(choice, FunctionTool) else tools
+        return ReplySpec("call", tools=tuple(_tool(t, tools.index(t), enforce=True, forced=True) for t in chosen))
+    offered = tuple(_tool(t, i, enforce=t.strict is not False) for i, t in enumerate(tools)) if choice == "auto" else ()
+    enforced = any(t.parameters is not None or t.custom for t in offered)
+    if schema is not None:
+        return ReplySpec("json_or_call", schema=schema, tools=offered) if offered else ReplySpec("json", schema=schema)
+    return ReplySpec("calls", tools=offered) if enforced else None
 
 
-def _tool(t: FunctionTool) -> Tool:
-    return Tool(t.name, t.parameters, custom=t.custom, grammar=t.grammar)
+def _tool(t: FunctionTool, index: int, enforce: bool, forced: bool = False) -> Tool:
+    """The tool as the grammar sees it; `parameters` None means "any JSON object". A schema
+    that cannot be enforced is a 400 for a forced call or a tool that asked for strict."""
+    if t.custom or not enforce:
+        return Tool(t.name, None, custom=t.custom, grammar=t.grammar)
+    parameters = t.parameters or {"type": "object"}
+    try:
+        check_schema(parameters, f"tools[{index}].parameters")
+    except GrammarError as exc:
+        if t.strict or forced:
+            raise Problem("invalid_request", str(exc), param=f"tools[{index}].parameters") from None
+        log.warning("tool %r: its parameters cannot be enforced, any object is accepted: %s", t.name, exc)
+        return Tool(t.name, None)
+    return Tool(t.name, parameters)
 
 
 def response_schema(req: ResponsesRequest, route: str) -> tuple[dict | bool | None, str]:
