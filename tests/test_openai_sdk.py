@@ -53,3 +53,28 @@ def test_incomplete_and_errors_through_the_sdk(sdk):
         sdk.responses.create(model="no-such-model", input="hi")
     with pytest.raises(openai.BadRequestError):
         sdk.responses.create(model=DEFAULT_MODEL_ID, input=[{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}])
+
+
+def test_stored_responses_and_previous_response_id_through_the_sdk(sdk):
+    first = sdk.responses.create(model=DEFAULT_MODEL_ID, input="Name a colour.", temperature=0, max_output_tokens=10)
+    assert sdk.responses.retrieve(first.id).output_text == first.output_text  # stored by default, as on OpenAI
+    second = sdk.responses.create(model=DEFAULT_MODEL_ID, input="And another one?", previous_response_id=first.id,
+                                  temperature=0, max_output_tokens=10, store=False)
+    assert second.previous_response_id == first.id
+    assert second.usage.input_tokens_details.cached_tokens >= first.usage.input_tokens
+    with pytest.raises(openai.NotFoundError):
+        sdk.responses.retrieve(second.id)
+
+
+def test_structured_output_through_the_sdk_parse(sdk):
+    from pydantic import BaseModel, Field
+
+    class City(BaseModel):
+        name: str = Field(max_length=30)
+        country: str = Field(max_length=30)
+        population_millions: int = Field(ge=0, le=100)  # unbounded, a 135M model can ramble digits
+
+    r = sdk.responses.parse(model=DEFAULT_MODEL_ID, input="Describe Paris.", text_format=City, temperature=0,
+                            max_output_tokens=120)
+    assert r.status == "completed"
+    assert isinstance(r.output_parsed, City)
