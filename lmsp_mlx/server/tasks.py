@@ -70,6 +70,11 @@ class LiveTask:
             log.exception("task %s failed", self.id)
             self.run.status = "failed"
             self.run.error = Problem("internal_error", "the task failed inside the service").document()
+            n = len(self.events) + 1  # followers still get exactly one final event
+            final = SseEvent(n, "response.failed", {"type": "response.failed", "sequence_number": n,
+                                                     "response_id": self.run.id, "status": "failed", "error": self.run.error})
+            self.events.append(final)
+            pending.append(_stored(final))
         response = self.run.response().model_dump(mode="json")
         try:
             await asyncio.to_thread(self._log.append, self.id, pending, self.run.status, response)
@@ -111,7 +116,7 @@ class Tasks:
         self.keys = keys
         self.live: dict[str, LiveTask] = {}
         self._drivers: set[asyncio.Task] = set()
-        self._key_locks: dict[tuple[str, str], asyncio.Lock] = {}
+        self._key_locks: dict[tuple[str, str], list] = {}  # (owner, key) -> [lock, users]
 
     def start(self, owner: str, run: ResponseRun, stream: AsyncIterator[SseEvent]) -> LiveTask:
         """Record a task for an already queued run and drive it in the background."""
@@ -136,9 +141,10 @@ class Tasks:
         if not 1 <= len(key) <= 255:
             raise Problem("invalid_request", "Idempotency-Key must be 1 to 255 characters", param="Idempotency-Key")
         digest = body_hash(route, json.dumps(body, sort_keys=True, separators=(",", ":")).encode())
-        lock = self._key_locks.setdefault((owner, key), asyncio.Lock())
+        slot = self._key_locks.setdefault((owner, key), [asyncio.Lock(), 0])
+        slot[1] += 1  # requests holding or waiting for this key's lock
         try:
-            async with lock:  # a concurrent duplicate waits here, then finds the first one's task
+            async with slot[0]:  # a concurrent duplicate waits here, then finds the first one's task
                 bound = await asyncio.to_thread(self.keys.find, owner, key)
                 if bound is not None:
                     if bound[0] != digest:
@@ -150,8 +156,9 @@ class Tasks:
                 await asyncio.to_thread(self.keys.bind, owner, key, digest, task.id)
                 return Submitted(task.id, replayed=False)
         finally:
-            if not lock.locked():
-                self._key_locks.pop((owner, key), None)
+            slot[1] -= 1
+            if slot[1] == 0:
+                del self._key_locks[(owner, key)]
 
     def record(self, owner: str, task_id: str) -> TaskRecord | None:
         return self.log.get(owner, task_id)
