@@ -134,3 +134,15 @@ def test_a_task_running_when_the_server_is_killed_is_failed_after_restart(start_
     assert stored[:6] == seen
     assert [int(e["id"]) for e in stored] == list(range(1, len(stored) + 1))
     assert stored[-1]["event"] == "response.failed"
+
+
+def test_a_task_running_at_a_normal_shutdown_ends_cancelled(start_server, tiny_model_dir, tmp_path):
+    args = ("--model", str(tiny_model_dir), "--model-id", "tiny", "--store", str(tmp_path / "store.sqlite3"))
+    server = start_server(*args)
+    task = create(server, ask(max_output_tokens=20000)).json()
+    events(server, task["id"], stop_after=3)  # it is generating
+    server.stop()  # SIGTERM
+    again = start_server(*args)
+    assert httpx.get(f"{again.url}/lmsp/v1/tasks/{task['id']}").json()["status"] == "cancelled"
+    assert events(again, task["id"])[-1]["event"] == "response.cancelled"
+    assert "running when the service stopped" not in again.log()  # it ended properly, nothing to recover
