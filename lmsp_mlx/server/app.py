@@ -7,7 +7,7 @@ import json
 import logging
 import time
 
-from quart import Quart, Response, request
+from quart import Quart, Response, has_request_context, request, websocket
 from werkzeug.exceptions import HTTPException
 
 from .. import LMSP_VERSION
@@ -29,12 +29,14 @@ def _is_v1(path: str) -> bool:
 
 
 def problem_response(problem: Problem) -> Response:
-    """LMSP routes get RFC 9457 documents; /v1 routes get OpenAI's `{"error": ...}`."""
-    if _is_v1(request.path):
+    """LMSP routes get RFC 9457 documents; /v1 routes get OpenAI's `{"error": ...}`. A
+    refused WebSocket handshake gets the same document as an HTTP reply."""
+    method, path = (request.method, request.path) if has_request_context() else ("WEBSOCKET", websocket.path)
+    if _is_v1(path):
         body, mimetype = {"error": problem.openai_error()}, "application/json"
     else:
         body, mimetype = problem.document(), "application/problem+json"
-    log.info("request %s %s status=%d code=%s", request.method, request.path, problem.status, problem.code)
+    log.info("request %s %s status=%d code=%s", method, path, problem.status, problem.code)
     resp = Response(json.dumps(body), status=problem.status, mimetype=mimetype)
     for name, value in problem.headers.items():
         resp.headers[name] = value
@@ -87,13 +89,20 @@ def create_app(engine: Engine, settings: ServerSettings, tokens: Tokens, db: Dat
 
     @app.before_request
     async def check_auth_and_version():
-        authorize(tokens, app.view_functions.get(request.endpoint))
+        authorize(tokens, app.view_functions.get(request.endpoint), request.method, request.path, request.headers)
         version = request.headers.get("LMSP-Version")
         if version is not None and version.strip() != LMSP_VERSION and request.path.startswith("/lmsp/"):
             raise Problem(
                 "unsupported_version",
                 f"LMSP-Version {version!r} is not supported; this service speaks {LMSP_VERSION}",
             )
+
+    @app.before_websocket
+    async def check_websocket_auth():
+        try:
+            authorize(tokens, app.view_functions.get(websocket.endpoint), "WEBSOCKET", websocket.path, websocket.headers)
+        except Problem as problem:  # returned, not raised: Quart sends it as the handshake's reply
+            return problem_response(problem)
 
     @app.after_request
     async def version_header(resp: Response) -> Response:

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from quart import g, request
+from quart import g
 
 from ..protocol.problems import Problem
 
@@ -94,16 +94,17 @@ def requires(scope: str) -> Callable:
     return mark
 
 
-def authorize(tokens: Tokens, view: Callable | None) -> None:
-    """Identify the caller (kept in `g.identity`) and check the route's scope."""
-    if request.path == "/healthz":
+def authorize(tokens: Tokens, view: Callable | None, method: str, path: str, headers) -> None:
+    """Identify the caller of an HTTP request or WebSocket (kept in `g.identity`) and check
+    the route's scope."""
+    if path == "/healthz":
         g.identity = Identity(LOCAL_OWNER, frozenset())
         return
-    identity = tokens.identify(request.headers.get("Authorization", ""))
+    identity = tokens.identify(headers.get("Authorization", ""))
     g.identity = identity
     needed = getattr(view, "required_scope", None)
     if needed is not None and needed not in identity.scopes:
-        raise Problem("insufficient_scope", f"this token lacks the scope {needed!r} that {request.method} {request.path} needs")
+        raise Problem("insufficient_scope", f"this token lacks the scope {needed!r} that {method} {path} needs")
 
 
 def owner() -> str:

@@ -7,8 +7,9 @@ deltas carry output_index/content_index, the stream ends with `data: [DONE]`.
 from __future__ import annotations
 
 import asyncio
+import json
 
-from quart import Blueprint
+from quart import Blueprint, websocket
 
 from ..protocol.problems import Problem
 from ..protocol.requests import parse_request
@@ -16,7 +17,8 @@ from ..protocol.responses import CustomToolCallOutput, MessageOutput, ReasoningO
 from .auth import owner, requires
 from .items import ItemEvent
 from .run import ResponseRun, start_run
-from .sse import OpenResponsesEvents, sse_response
+from ..store.responses import Stored
+from .sse import OpenResponsesEvents, V1Event, sse_response
 from .state import read_json, state
 
 bp = Blueprint("openai", __name__, url_prefix="/v1")
@@ -62,6 +64,45 @@ async def get_response(response_id: str):
         raise Problem("response_not_found", f"no stored response {response_id!r}")
     req = parse_request(stored.request)
     return v1_response(ResponseObject.model_validate(stored.response), req, stored.completed_at)
+
+
+@bp.websocket("/responses")
+@requires("responses:write")
+async def responses_socket():
+    """WebSocket mode: each `response.create` message (a POST /v1/responses body, without
+    `stream`) runs one response and gets its events back as JSON messages, one response
+    at a time. previous_response_id chains within the connection even with `store: false`.
+    A bad message gets an `error` event and the connection stays open."""
+    local: dict[str, Stored] = {}
+    while True:
+        raw = await websocket.receive()
+        try:
+            body = json.loads(raw)
+            if not isinstance(body, dict) or body.get("type") != "response.create":
+                raise Problem("invalid_request", 'expected a {"type": "response.create", ...} message', param="type")
+            fields = {k: v for k, v in body.items() if k not in ("type", "stream", "background")}
+            req = parse_request(fields)
+            if "store" not in fields:
+                req = req.model_copy(update={"store": True})  # as on HTTP
+            run = await start_run("v1", req, local)
+        except json.JSONDecodeError as exc:
+            await websocket.send(_error_message(Problem("invalid_request", f"the message is not valid JSON: {exc}")))
+            continue
+        except Problem as problem:
+            await websocket.send(_error_message(problem))
+            continue
+        try:
+            async for e in stream_v1(run):
+                if isinstance(e, V1Event):
+                    await websocket.send(e.message())
+        finally:
+            run.cancel()  # the client left mid-response
+
+
+def _error_message(problem: Problem) -> str:
+    err = problem.openai_error()
+    return json.dumps({"type": "error", "sequence_number": 0, "status": problem.status,
+                       "code": err["code"], "message": err["message"], "param": err["param"], "error": err})
 
 
 async def stream_v1(run: ResponseRun):

@@ -24,6 +24,7 @@ from ..engine.worker import Engine
 from ..protocol.ids import new_id
 from ..protocol.problems import Problem
 from ..protocol.requests import InputItem, ResponsesRequest
+from ..store.responses import Stored
 from ..protocol.responses import IncompleteDetails, InputTokensDetails, ResponseObject, ResponseUsage
 from .auth import owner
 from .conversation import prepare
@@ -189,22 +190,29 @@ class ResponseRun:
 _ITEMS = TypeAdapter(list[InputItem])
 
 
-async def start_run(route: str, req: ResponsesRequest) -> ResponseRun:
-    """Queue a request's generation, its stored history first: the common start of every route."""
+async def start_run(route: str, req: ResponsesRequest, local: dict[str, Stored] | None = None) -> ResponseRun:
+    """Queue a request's generation, its stored history first: the common start of every
+    route. `local`: a WebSocket connection's own responses, which chain with
+    previous_response_id even when not stored; each finished run is added to it."""
     from .state import state
 
     s, who = state(), owner()
     history = None
     if req.previous_response_id is not None:
-        items = await asyncio.to_thread(s.responses.conversation, who, req.previous_response_id)
+        items = await asyncio.to_thread(s.responses.conversation, who, req.previous_response_id, local)
         if items is None:
             raise Problem("response_not_found", f"no stored response {req.previous_response_id!r}",
                           param="previous_response_id")
         history = _ITEMS.validate_python(items)
 
     def keep(run: ResponseRun) -> None:
-        s.responses.put(who, run.stored_request(), run.response().model_dump(mode="json"), run.completed_at)
+        done = Stored(run.stored_request(), run.response().model_dump(mode="json"), run.completed_at)
+        if local is not None:
+            local[run.id] = done
+        if req.store:
+            s.responses.put(who, done.request, done.response, done.completed_at)
 
-    run = ResponseRun(s.engine, req, route, s.settings.prefill_step, history, keep if req.store else None)
+    run = ResponseRun(s.engine, req, route, s.settings.prefill_step, history,
+                      keep if req.store or local is not None else None)
     await run.start()
     return run

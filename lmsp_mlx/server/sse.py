@@ -51,15 +51,29 @@ class LmspEvents:
         return SseEvent(self.last_id, name, data)
 
 
+@dataclass(frozen=True)
+class V1Event:
+    """One Open Responses event: an SSE frame on HTTP, a JSON message on the WebSocket."""
+
+    data: dict[str, Any]
+
+    def frame(self) -> str:
+        return f"event: {self.data['type']}\ndata: {_json(self.data)}\n\n"
+
+    def message(self) -> str:
+        return _json(self.data)
+
+
 class OpenResponsesEvents:
-    """Open Responses framing: `event:` equals the data's `type`; ends with `data: [DONE]`."""
+    """Open Responses framing: `event:` equals the data's `type`; an SSE stream ends with
+    `data: [DONE]`."""
 
     DONE = "data: [DONE]\n\n"
 
     def __init__(self) -> None:
         self.sequence = 0
 
-    def __call__(self, name: str, **fields: Any) -> str:
+    def __call__(self, name: str, **fields: Any) -> V1Event:
         data = {"type": name, "sequence_number": self.sequence, **fields}
         self.sequence += 1
-        return f"event: {name}\ndata: {_json(data)}\n\n"
+        return V1Event(data)

@@ -43,16 +43,18 @@ class StoredResponses:
         )
         return Stored(json.loads(rows[0][0]), json.loads(rows[0][1]), rows[0][2]) if rows else None
 
-    def conversation(self, owner: str, response_id: str) -> list[dict[str, Any]] | None:
+    def conversation(self, owner: str, response_id: str,
+                     local: dict[str, Stored] | None = None) -> list[dict[str, Any]] | None:
         """Every item of the stored chain ending at `response_id`, oldest first: each
         response's input items, then its output items (which are valid input items). None
-        when the id (or a link of its chain) is not stored for this owner."""
+        when the id (or a link of its chain) is not stored for this owner. `local` holds
+        responses kept outside the store (a WebSocket connection's), looked up first."""
         turns: list[list[dict[str, Any]]] = []
         next_id: str | None = response_id
         while next_id is not None:
             if len(turns) >= MAX_CHAIN:
                 return None
-            found = self.get(owner, next_id)
+            found = local[next_id] if local and next_id in local else self.get(owner, next_id)
             if found is None:
                 return None
             request, response = found.request, found.response
