@@ -1,0 +1,92 @@
+"""Every /v1 object and event against the Open Responses specification's own types.
+
+`openresponses-types` (mozilla.ai, Apache-2.0) is generated from the specification's
+published OpenAPI document; its pydantic models check each required field, type and
+nullability. Each streamed event is validated against the model for its `type`; an event
+type the specification does not define fails the test."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+from conftest import read_sse
+from test_kv_cache import scripted_dir  # noqa: F401
+from test_tools import QUESTION, TOOLS, caller_dir  # noqa: F401
+
+types = pytest.importorskip("openresponses_types.types", reason="openresponses-types is a test dependency")
+
+
+def _event_models() -> dict[str, type]:
+    """Event type name -> its model, read off each *StreamingEvent model's `type` field."""
+    out = {}
+    for name in dir(types):
+        cls = getattr(types, name)
+        if isinstance(cls, type) and name.endswith("StreamingEvent") and "type" in getattr(cls, "model_fields", {}):
+            annotation = cls.model_fields["type"].annotation
+            values = [m.value for m in annotation] if isinstance(annotation, type) else list(getattr(annotation, "__args__", ()))
+            for value in values:
+                out[str(value)] = cls
+    return out
+
+
+EVENTS = _event_models()
+FINAL = ("response.completed", "response.incomplete", "response.failed")
+
+
+def check_stream(server, body: dict) -> list[dict]:
+    with httpx.stream("POST", server.url + "/v1/responses", json={**body, "stream": True}, timeout=120) as r:
+        assert r.status_code == 200
+        lines = list(r.iter_lines())
+    assert [line for line in lines if line.startswith("data: ")][-1] == "data: [DONE]"
+    events = [e for e in read_sse(lines) if isinstance(e.get("data"), dict)]
+    for e in events:
+        data = e["data"]
+        assert e["event"] == data["type"]
+        assert data["type"] in EVENTS, f"{data['type']} is not an Open Responses event"
+        EVENTS[data["type"]].model_validate(data)
+    names = [e["data"]["type"] for e in events]
+    assert names[:2] == ["response.created", "response.in_progress"] and names[-1] in FINAL
+    assert [e["data"]["sequence_number"] for e in events] == list(range(len(events)))
+    return [e["data"] for e in events]
+
+
+def check_order(events: list[dict]) -> None:
+    """Per item: added, (content part added, deltas, text done, part done), done."""
+    open_items: dict[int, list[str]] = {}
+    for e in events[2:-1]:
+        i = e.get("output_index")
+        open_items.setdefault(i, []).append(e["type"])
+    for i, seq in open_items.items():
+        assert seq[0] == "response.output_item.added" and seq[-1] == "response.output_item.done", seq
+        if "response.content_part.added" in seq:
+            assert seq.index("response.content_part.added") < seq.index("response.output_text.done") \
+                < seq.index("response.content_part.done")
+
+
+def test_text_streams_and_objects_follow_the_specification(tiny_server):
+    body = {"model": "tiny", "input": "Count these tokens, the whole prompt", "temperature": 0, "max_output_tokens": 8}
+    events = check_stream(tiny_server, body)
+    check_order(events)
+    sync = httpx.post(tiny_server.url + "/v1/responses", json=body, timeout=120).json()
+    types.ResponseResource.model_validate(sync)
+    stored = httpx.get(f"{tiny_server.url}/v1/responses/{sync['id']}").json()
+    types.ResponseResource.model_validate(stored)
+
+
+def test_reasoning_streams_follow_the_specification(start_server, scripted_dir):  # noqa: F811
+    server = start_server("--model", str(scripted_dir), "--model-id", "tiny")
+    events = check_stream(server, {"model": "tiny", "input": "Lamp?", "temperature": 0, "max_output_tokens": 20})
+    check_order(events)
+    final = events[-1]["response"]
+    assert [o["type"] for o in final["output"]] == ["reasoning", "message"]
+    types.ResponseResource.model_validate(final)
+
+
+def test_tool_call_streams_follow_the_specification(start_server, caller_dir):  # noqa: F811
+    server = start_server("--model", str(caller_dir), "--model-id", "tiny")
+    events = check_stream(server, {"model": "tiny", "input": [QUESTION], "tools": TOOLS, "temperature": 0,
+                                   "max_output_tokens": 40})
+    check_order(events)
+    assert [o["type"] for o in events[-1]["response"]["output"]] == ["reasoning", "function_call", "function_call"]
