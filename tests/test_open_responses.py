@@ -90,3 +90,19 @@ def test_tool_call_streams_follow_the_specification(start_server, caller_dir):  
                                    "max_output_tokens": 40})
     check_order(events)
     assert [o["type"] for o in events[-1]["response"]["output"]] == ["reasoning", "function_call", "function_call"]
+
+
+def test_requests_arriving_together_are_all_answered(tiny_server):
+    """One slow request and seven short ones at once, mixed sync and streamed, on both
+    routes: every one is served (queued behind the others), none gets a 5xx."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def one(i: int) -> int:
+        body = {"model": "tiny", "input": f"Request {i}: count these tokens", "temperature": 0,
+                "max_output_tokens": 400 if i == 0 else 6, "stream": i % 2 == 1}
+        route = "/v1/responses" if i % 3 else "/lmsp/v1/responses"
+        r = httpx.post(tiny_server.url + route, json=body, timeout=300)
+        return r.status_code
+
+    with ThreadPoolExecutor(8) as pool:
+        assert list(pool.map(one, range(8))) == [200] * 8
