@@ -136,7 +136,10 @@ class OutputParser:
                     args = json.loads(args)
                 if not isinstance(args, dict):
                     raise ValueError("arguments are not a JSON object")
-                result.append(ParsedCall(name, json.dumps(args, ensure_ascii=False)))
+                if self.tools[name].custom:  # a template that shows custom tools as functions of `input`
+                    result.append(ParsedCall(name, str(args.get("input", "")), custom=True))
+                else:
+                    result.append(ParsedCall(name, json.dumps(args, ensure_ascii=False)))
         except Exception as exc:  # any malformed call is the model's text, not an error
             log.warning("malformed tool call kept as text: %s: %.200s", exc, body)
             return [self._text(raw)]
