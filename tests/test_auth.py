@@ -62,6 +62,7 @@ ROUTES = [
     ("GET", "/lmsp/v1", None, "models:read"),
     ("GET", "/lmsp/v1/models", None, "models:read"),
     ("GET", "/lmsp/v1/models/tiny", None, "models:read"),
+    ("GET", "/lmsp/v1/openapi.json", None, "models:read"),
     ("GET", "/v1/models", None, "models:read"),
     ("GET", "/v1/models/tiny", None, "models:read"),
     ("POST", "/lmsp/v1/responses", ask(), "responses:write"),

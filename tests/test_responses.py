@@ -132,3 +132,25 @@ def test_default_model_knows_the_capital_of_france(default_server):
     model = httpx.get(default_server.url + "/lmsp/v1/models").json()["data"][0]
     assert model["id"] == "SmolLM2-135M-Instruct"
     assert model["context_length"] == 8192
+
+
+def test_the_openapi_document_lists_every_route(client, tiny_server):
+    doc = client.get("/lmsp/v1/openapi.json").json()
+    assert doc["openapi"].startswith("3.1")
+    for path, method in [("/lmsp/v1/responses", "post"), ("/lmsp/v1/responses/{response_id}", "get"),
+                         ("/lmsp/v1/tasks", "post"), ("/lmsp/v1/tasks/{task_id}", "get"),
+                         ("/lmsp/v1/tasks/{task_id}/events", "get"), ("/lmsp/v1/tasks/{task_id}/cancel", "post"),
+                         ("/lmsp/v1/models", "get"), ("/lmsp/v1/openapi.json", "get"), ("/v1/responses", "post"),
+                         ("/v1/models", "get"), ("/healthz", "get"), ("/metrics", "get")]:
+        assert method in doc["paths"][path], path
+    create = doc["paths"]["/lmsp/v1/responses"]["post"]
+    assert create["security"] == [{"bearer": ["responses:write"]}]
+    assert create["requestBody"]["content"]["application/json"]["schema"]["$ref"] == "#/components/schemas/ResponsesRequest"
+    schemas = doc["components"]["schemas"]
+    assert {"ResponsesRequest", "ResponseObject", "Problem", "TaskCreate"} <= set(schemas)
+    # Every reference resolves inside the document.
+    import json
+    import re
+
+    for ref in set(re.findall(r'"#/components/schemas/([^"]+)"', json.dumps(doc))):
+        assert ref in schemas, ref

@@ -35,6 +35,17 @@ async def service_document():
     }
 
 
+@bp.get("/openapi.json")
+@requires("models:read")
+async def openapi():
+    """The OpenAPI document of every route."""
+    from quart import current_app
+
+    from .openapi import openapi_document
+
+    return openapi_document(current_app)
+
+
 @bp.get("/models")
 @requires("models:read")
 async def list_models():

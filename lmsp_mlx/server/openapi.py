@@ -1,0 +1,86 @@
+"""GET /lmsp/v1/openapi.json: the OpenAPI 3.1 document of every route this app serves.
+
+Built from the app itself, so it cannot drift from it: the paths and methods come from the
+URL map, each operation's summary from its view's docstring, its security scope from
+`@requires`, and the request and response schemas from the pydantic wire types.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from quart import Quart
+
+from .. import LMSP_VERSION, __version__
+from ..protocol.problems import STATUS
+from ..protocol.requests import ResponsesRequest
+from ..protocol.responses import ResponseObject
+
+_REF = "#/components/schemas/{model}"
+
+
+def _schemas() -> dict[str, Any]:
+    schemas: dict[str, Any] = {}
+    for model in (ResponsesRequest, ResponseObject):
+        schema = model.model_json_schema(ref_template=_REF)
+        schemas.update(schema.pop("$defs", {}))
+        schemas[model.__name__] = schema
+    schemas["Problem"] = {
+        "type": "object",
+        "required": ["type", "title", "status", "detail", "code"],
+        "properties": {
+            "type": {"type": "string"}, "title": {"type": "string"}, "status": {"type": "integer"},
+            "detail": {"type": "string"}, "code": {"type": "string", "enum": sorted(STATUS)},
+            "param": {"type": "string"},
+        },
+    }
+    schemas["TaskCreate"] = {"type": "object", "required": ["request"],
+                             "properties": {"request": {"$ref": _REF.format(model="ResponsesRequest")}}}
+    return schemas
+
+
+def _operation(app: Quart, endpoint: str, method: str, path: str) -> dict[str, Any]:
+    view = app.view_functions[endpoint]
+    doc = (view.__doc__ or endpoint.rsplit(".", 1)[-1].replace("_", " ")).strip().splitlines()[0]
+    op: dict[str, Any] = {"operationId": endpoint.replace(".", "_"), "summary": doc,
+                          "responses": {"default": {"description": "a problem document (RFC 9457)", "content": {
+                              "application/problem+json": {"schema": {"$ref": _REF.format(model="Problem")}}}}}}
+    scope = getattr(view, "required_scope", None)
+    if scope:
+        op["security"] = [{"bearer": [scope]}]
+    params = re.findall(r"{(\w+)}", path)
+    if params:
+        op["parameters"] = [{"name": p, "in": "path", "required": True, "schema": {"type": "string"}} for p in params]
+    body = {"/lmsp/v1/responses": "ResponsesRequest", "/v1/responses": "ResponsesRequest",
+            "/lmsp/v1/tasks": "TaskCreate"}.get(path) if method == "post" else None
+    if body:
+        op["requestBody"] = {"required": True, "content": {"application/json": {"schema": {"$ref": _REF.format(model=body)}}}}
+    if path.startswith("/lmsp/v1/responses"):
+        op["responses"]["200"] = {"description": "a response object, or with stream: true its events", "content": {
+            "application/json": {"schema": {"$ref": _REF.format(model="ResponseObject")}},
+            "text/event-stream": {"schema": {"type": "string"}}}}
+    else:
+        op["responses"]["200"] = {"description": "OK"}
+    return op
+
+
+def openapi_document(app: Quart) -> dict[str, Any]:
+    paths: dict[str, dict[str, Any]] = {}
+    for rule in app.url_map.iter_rules():
+        if rule.endpoint == "static" or rule.websocket:
+            continue
+        path = re.sub(r"<(?:[^:>]+:)?(\w+)>", r"{\1}", rule.rule)
+        for method in sorted(rule.methods - {"HEAD", "OPTIONS"}):
+            paths.setdefault(path, {})[method.lower()] = _operation(app, rule.endpoint, method.lower(), path)
+    return {
+        "openapi": "3.1.0",
+        "info": {"title": "lmsp-mlx", "version": __version__,
+                 "description": f"LMSP {LMSP_VERSION} (section 6 and design/PROTOCOL.md), with OpenAI-style /v1 routes."},
+        "paths": dict(sorted(paths.items())),
+        "components": {
+            "schemas": _schemas(),
+            "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer",
+                                           "description": "scopes: responses:write, responses:read, models:read, admin"}},
+        },
+    }
