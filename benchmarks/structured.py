@@ -11,20 +11,10 @@ in the server log), from the first token to the last. Target: the constrained ra
 
 from __future__ import annotations
 
-import argparse
-import csv
-import re
-import socket
-import statistics
-import subprocess
-import sys
-import tempfile
-import time
-from pathlib import Path
-
 import httpx
 
-ROOT = Path(__file__).resolve().parents[1]
+from paired import arguments, report, run_after, runs_so_far, server
+
 PROMPT = "Invent a detailed customer record for a bicycle shop and write it out in full."
 
 WORD = {"type": "string", "maxLength": 40}
@@ -60,71 +50,26 @@ SCHEMA = {
 }
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def logged(log: Path) -> list[tuple[int, float]]:
-    """(output tokens, decode tok/s) of every finished request."""
-    return [(int(n), float(r)) for n, r in re.findall(r"output_tokens=(\d+) prefill_tps=[\d.]+ decode_tps=([\d.]+)",
-                                                       log.read_text())]
-
-
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", type=Path)
-    p.add_argument("--tokens", type=int, default=128)
-    p.add_argument("--pairs", type=int, default=4)
-    p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
-    args = p.parse_args()
-
-    folder = Path(tempfile.mkdtemp(prefix="structured-"))
-    log, port = folder / "server.log", free_port()
-    cmd = [sys.executable, "-m", "lmsp_mlx.serve", "--port", str(port), "--store", str(folder / "store.sqlite3"),
-           "--no-kv-disk", *(["--model", str(args.model)] if args.model else [])]
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=open(log, "w"), stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
+    args = arguments(__doc__)
     rows = []
-    try:
-        deadline = time.monotonic() + 900
-        while True:
-            try:
-                model = httpx.get(url + "/lmsp/v1/models", timeout=2).json()["data"][0]["id"]
-                break
-            except httpx.HTTPError:
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    raise SystemExit(f"the server did not start:\n{log.read_text()[-2000:]}")
-                time.sleep(0.5)
+    with server(args.model, "structured-") as (url, model, log):
         free = {"model": model, "input": PROMPT, "temperature": 0, "max_output_tokens": args.tokens}
         constrained = {**free, "response_format": {"type": "json_schema", "json_schema": {"name": "customer", "schema": SCHEMA}}}
         with httpx.Client(base_url=url, timeout=900) as client:
             client.post("/lmsp/v1/responses", json=constrained)  # warm-up: the tokenizer's llguidance view is built once
             for pair in range(args.pairs):
                 for kind, body in (("free", free), ("json_schema", constrained)):
-                    n = len(logged(log))
+                    n = runs_so_far(log)
                     r = client.post("/lmsp/v1/responses", json=body)
                     assert r.status_code == 200, r.text
-                    while len(logged(log)) == n:
-                        time.sleep(0.05)
-                    tokens, rate = logged(log)[n]
+                    tokens, rate = run_after(log, n)
                     rows.append({"pair": pair, "kind": kind, "output_tokens": tokens, "decode_tps": rate})
                     print(f"pair {pair} {kind:>11}: {rate:6.1f} tok/s over {tokens} tokens", flush=True)
-    finally:
-        proc.terminate()
-        proc.wait(timeout=60)
-    args.out.mkdir(parents=True, exist_ok=True)
-    with open(args.out / "structured.csv", "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(rows[0]))
-        w.writeheader()
-        w.writerows(rows)
-    ratios = [rows[i + 1]["decode_tps"] / rows[i]["decode_tps"] for i in range(0, len(rows), 2)]
-    free_rate = statistics.median(r["decode_tps"] for r in rows if r["kind"] == "free")
-    json_rate = statistics.median(r["decode_tps"] for r in rows if r["kind"] == "json_schema")
+    free_rate, json_rate, ratio = report(rows, args.out / "structured.csv", ("free", "json_schema"))
     print(f"\n| decode, up to {args.tokens} tokens | free text | json_schema (20 properties) | ratio (median of pairs) | target |")
     print("|---|---:|---:|---:|---:|")
-    print(f"| {model} | {free_rate:.1f} tok/s | {json_rate:.1f} tok/s | {statistics.median(ratios):.3f} | ≥ 0.85 |")
+    print(f"| {model} | {free_rate:.1f} tok/s | {json_rate:.1f} tok/s | {ratio:.3f} | ≥ 0.85 |")
 
 
 if __name__ == "__main__":

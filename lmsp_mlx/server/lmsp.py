@@ -13,7 +13,7 @@ from ..protocol.requests import parse_request
 from ..protocol.responses import FunctionCallOutput
 from ..store import TaskRecord
 from .auth import owner, requires
-from .run import ResponseRun, start_run
+from .run import ResponseRun, start_run, stored_response
 from .sse import LmspEvents, SseEvent, sse_response
 from .state import read_json, state
 from .tasks import LiveTask
@@ -89,10 +89,7 @@ async def create_response():
 @bp.get("/responses/<response_id>")
 @requires("responses:read")
 async def get_response(response_id: str):
-    stored = await asyncio.to_thread(state().responses.get, owner(), response_id)
-    if stored is None:
-        raise Problem("response_not_found", f"no stored response {response_id!r}")
-    return stored.response
+    return (await stored_response(response_id)).response
 
 
 @bp.post("/tasks")

@@ -6,18 +6,17 @@ deltas carry output_index/content_index, the stream ends with `data: [DONE]`.
 
 from __future__ import annotations
 
-import asyncio
 import json
 
 from quart import Blueprint, websocket
 
 from ..protocol.problems import Problem
 from ..protocol.requests import parse_request
-from ..protocol.responses import CustomToolCallOutput, MessageOutput, ReasoningOutput, ResponseObject, v1_item, v1_response
-from .auth import owner, requires
-from .items import ItemEvent
-from .run import ResponseRun, start_run
 from ..store.responses import Stored
+from ..protocol.responses import CustomToolCallOutput, MessageOutput, ReasoningOutput, ResponseObject, v1_item, v1_response
+from .auth import requires
+from .items import ItemEvent
+from .run import ResponseRun, start_run, stored_response
 from .sse import OpenResponsesEvents, V1Event, sse_response
 from .state import read_json, state
 
@@ -59,9 +58,7 @@ async def create_response():
 @bp.get("/responses/<response_id>")
 @requires("responses:read")
 async def get_response(response_id: str):
-    stored = await asyncio.to_thread(state().responses.get, owner(), response_id)
-    if stored is None:
-        raise Problem("response_not_found", f"no stored response {response_id!r}")
+    stored = await stored_response(response_id)
     req = parse_request(stored.request)
     return v1_response(ResponseObject.model_validate(stored.response), req, stored.completed_at)
 

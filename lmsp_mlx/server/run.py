@@ -190,6 +190,16 @@ class ResponseRun:
 _ITEMS = TypeAdapter(list[InputItem])
 
 
+async def stored_response(response_id: str) -> Stored:
+    """A response the caller's token stored; 404 `response_not_found` otherwise."""
+    from .state import state
+
+    found = await asyncio.to_thread(state().responses.get, owner(), response_id)
+    if found is None:
+        raise Problem("response_not_found", f"no stored response {response_id!r}")
+    return found
+
+
 async def start_run(route: str, req: ResponsesRequest, local: dict[str, Stored] | None = None) -> ResponseRun:
     """Queue a request's generation, its stored history first: the common start of every
     route. `local`: a WebSocket connection's own responses, which chain with
