@@ -19,6 +19,7 @@ from .cache.pool import Policy
 from .engine.worker import CacheSettings, Engine
 from .server.auth import Tokens, TokensError
 from .server.state import ServerSettings
+from .server.sealing import StateKeyError, load_state_key
 from .store import Database, StoreError
 
 log = logging.getLogger("lmsp_mlx")
@@ -43,6 +44,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     st.add_argument("--store", type=Path, help="the SQLite store file (default: lmsp-mlx/store.sqlite3 under the user's data dir)")
     st.add_argument("--store-retention", type=_duration, default=30 * 86400.0,
                     help="how long stored responses and tasks are kept: seconds, or with s/m/h/d (default 30d)")
+    st.add_argument("--state-key-file", type=Path,
+                    help="the key that seals reasoning and compaction state handed to clients; created (0600) when "
+                         "missing (default: lmsp-mlx/state.key under the user's data dir)")
     st.add_argument("--event-retention", type=_duration, default=3600.0,
                     help="how long a task's events stay replayable after it ended (default 1h)")
     kv = p.add_argument_group("KV cache")
@@ -141,7 +145,8 @@ def main(argv: list[str] | None = None) -> int:
         return _fail(f"refusing to bind {args.host} without --api-key or --tokens: only loopback is open")
     try:
         db = Database(args.store or Path(user_data_dir("lmsp-mlx")) / "store.sqlite3")
-    except StoreError as exc:
+        state_key = load_state_key(args.state_key_file or Path(user_data_dir("lmsp-mlx")) / "state.key")
+    except (StoreError, StateKeyError) as exc:
         return _fail(str(exc))
     try:
         if args.model is None:
@@ -166,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
     settings = ServerSettings(prefill_step=prefill, max_body_bytes=int(args.max_body_mb * 1024 * 1024),
                               store_retention=args.store_retention, event_retention=args.event_retention)
     log.info("store: %s", db.path)
-    app = create_app(engine, settings, tokens, db)
+    app = create_app(engine, settings, tokens, db, state_key)
     try:
         asyncio.run(_serve(app, engine, args.host, args.port))
     except OSError as exc:  # port in use, address not available

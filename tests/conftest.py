@@ -38,6 +38,8 @@ class Server:
             args = [*args, "--kv-disk-dir", str(log_path.parent / "kv")]
         if "--store" not in args:  # never the user's data dir
             args = [*args, "--store", str(log_path.parent / "store.sqlite3")]
+        if "--state-key-file" not in args:
+            args = [*args, "--state-key-file", str(log_path.parent / "state.key")]
         self.args = args
         self._log = open(log_path, "w")
         self.proc = subprocess.Popen(

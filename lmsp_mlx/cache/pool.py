@@ -4,15 +4,16 @@ For each request, in this order (the first that applies wins; a common token pre
 must be trimmed gives way to a text prefix or a checkpoint that reuses more tokens):
 
 1. `visible`: a session's binding key (the visible transcript of its last turn) is a prefix
-   of the request's rendered text. The KV, with any hidden reasoning the client did not
+   of the request's rendered text (as a visible-only replay renders it, where the request
+   revealed sealed hidden reasoning: server/sealing.py). The KV, with any hidden reasoning the client did not
    replay, is continued; only the binding's tail and the new text are prefilled.
 2. `token`: a session's tokens are a prefix of the request's tokens (exact), or share a
    common prefix with them (the prefix is copied, the session stays for its own client).
 3. `text`: a session's text (or its last prompt's text) is a prefix of the request's text.
    The live tokens are kept and only the new text is tokenized: BPE may merge across the
    boundary differently in a fresh tokenization, so token matching alone would stop short.
-4. `disk`: the checkpoint with the longest key that is a prefix of the request's text,
-   when it holds more tokens than the best of 2-3.
+4. `disk`: the checkpoint with the longest key that is a prefix of the request's text (or
+   its visible-only rendering), when it holds more tokens than the best of 2-3.
 5. `cold`: a new session.
 
 Each decision is logged as one line: `cache_source=<kind> cached=<N> prompt=<M>`.
@@ -76,11 +77,14 @@ class SessionPool:
 
     # -- lookup ---------------------------------------------------------------------------
 
-    def start(self, text: str, tokens: list[int], limit: int, label: str | None = None) -> Start:
+    def start(self, text: str, tokens: list[int], limit: int, label: str | None = None,
+              visible: str | None = None) -> Start:
         """Where the request with rendered `text` and `tokens` starts; `limit` is the most
         tokens the KV may hold before decoding (the context minus one). `label` names a
-        live continuation (a tool-output-only request) in the log line when it is found."""
-        start = self._lookup(text, tokens, limit)
+        live continuation (a tool-output-only request) in the log line when it is found.
+        `visible`: the visible-only rendering, where `text` is the true history (hidden
+        reasoning revealed); the two differ only inside replayed turns."""
+        start = self._lookup(text, tokens, limit, visible or text)
         if start.session not in self.sessions:
             start.made = True
             self.sessions.append(start.session)
@@ -94,12 +98,12 @@ class SessionPool:
         if start.made:
             self._drop(start.session)
 
-    def _lookup(self, text: str, tokens: list[int], limit: int) -> Start:
+    def _lookup(self, text: str, tokens: list[int], limit: int, seen: str) -> Start:
         n = len(tokens)
-        visible = [s for s in self.sessions if s.binding and text.startswith(s.binding.key) and len(text) > len(s.binding.key)]
+        visible = [s for s in self.sessions if s.binding and seen.startswith(s.binding.key) and len(seen) > len(s.binding.key)]
         if visible:
             s = max(visible, key=lambda s: len(s.binding.key))
-            full = s.tokens + self._encode(s.binding.tail + text[len(s.binding.key):])
+            full = s.tokens + self._encode(s.binding.tail + seen[len(s.binding.key):])
             if len(full) <= limit:
                 return Start(s, "visible", len(s.tokens), full)
 
@@ -122,15 +126,17 @@ class SessionPool:
                     break
 
         if self.disk is not None:
-            entry = self.disk.find(text, longer_than=best.cached if best else 0)
+            found = [(e, t) for t in dict.fromkeys((seen, text))
+                     if (e := self.disk.find(t, longer_than=best.cached if best else 0)) is not None]
+            entry, matched = max(found, key=lambda f: f[0].tokens) if found else (None, text)
             if entry is not None:
-                session = self.disk.load(entry, text[: entry.key_chars])
+                session = self.disk.load(entry, matched[: entry.key_chars])
                 if session is not None:
                     log.info("kv disk: restored %s (%d tokens, %s)", entry.path.name, entry.tokens, entry.kind)
                     if session.binding is not None:
-                        full = session.tokens + self._encode(session.binding.tail + text[entry.key_chars:])
+                        full = session.tokens + self._encode(session.binding.tail + matched[entry.key_chars:])
                     else:
-                        full = session.tokens + self._encode(text[entry.key_chars:])
+                        full = session.tokens + self._encode(matched[entry.key_chars:])
                     if len(full) <= limit:
                         return Start(session, "disk", len(session.tokens), full)
 

@@ -17,6 +17,14 @@ class ReasoningDelta:
 
 
 @dataclass(frozen=True)
+class ReasoningEnd:
+    """The think block closed. `raw`: the turn's text through its closing tag exactly as the
+    KV holds it (the opening tag included, from the prompt where the template opened it)."""
+
+    raw: str
+
+
+@dataclass(frozen=True)
 class ToolCall:
     id: str
     call_id: str
@@ -52,4 +60,4 @@ class Failed:
     code: str = "internal_error"  # a PROTOCOL.md problem code
 
 
-GenerationEvent = Union[TextDelta, ReasoningDelta, ToolCall, Finished, Failed]
+GenerationEvent = Union[TextDelta, ReasoningDelta, ReasoningEnd, ToolCall, Finished, Failed]

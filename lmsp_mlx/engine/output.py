@@ -18,7 +18,7 @@ from typing import Any, Callable
 
 from mlx_lm.tool_parsers import json_tools
 
-from .events import ReasoningDelta, TextDelta
+from .events import ReasoningDelta, ReasoningEnd, TextDelta
 from .tools import tool_specs
 
 log = logging.getLogger("lmsp_mlx.engine")
@@ -60,9 +60,11 @@ class OutputParser:
     state: str = "text"  # text | reasoning | call
     visible: list[str] = field(default_factory=list)  # everything outside reasoning, markup included
     _buf: str = ""
+    _fed: list[str] = field(default_factory=list)  # every piece, for the raw reasoning text
 
     def feed(self, piece: str) -> list:
         self._buf += piece
+        self._fed.append(piece)
         return self._drain(final=False)
 
     def finish(self) -> list:
@@ -100,6 +102,9 @@ class OutputParser:
                 self._buf = self._buf[i + len(marker):]
                 if self.state == "reasoning":
                     self.state = "text"
+                    if not self.visible:  # the turn opened with it: its raw text is a prefix of the turn
+                        fed = "".join(self._fed)
+                        out.append(ReasoningEnd(fed[: len(fed) - len(self._buf)]))
                 elif marker == self.fmt.call[0] and self.tools is not None:
                     self.state = "call"
                 else:

@@ -46,12 +46,16 @@ def to_chat_messages(
     tools: list[FunctionTool] = (),
     native_tools: bool = False,
     memory: CallMemory | None = None,
+    hidden: list[str] | None = None,
 ) -> list[dict]:
     """Protocol items -> the `messages` list chat templates expect.
 
     Consecutive assistant-side items (an assistant message, reasoning, function calls) are
     one assistant turn. A turn whose calls the server sampled itself is rendered with the
-    text it sampled (exact replay, from `memory`); others are rendered from their items."""
+    text it sampled (exact replay, from `memory`); others are rendered from their items.
+    With `hidden` (a list to fill), a turn whose reasoning item carried sealed raw reasoning
+    starts with a marker for it, and the raw text is appended to `hidden`: see
+    `render_hidden`."""
     messages: list[dict] = []
     if instructions:
         messages.append({"role": "system", "content": instructions})
@@ -77,7 +81,7 @@ def to_chat_messages(
             while j < len(items) and _assistant_side(items[j]):
                 _check_content(items[j], j)
                 j += 1
-            messages.append(_assistant_turn(items[i:j], native_tools, memory))
+            messages.append(_assistant_turn(items[i:j], native_tools, memory, hidden))
         i = j
     if not messages:
         raise Problem("invalid_request", "input must contain at least one message", param="input")
@@ -106,7 +110,8 @@ def _check_content(item: InputItem, index: int) -> None:
                 )
 
 
-def _assistant_turn(group: list[InputItem], native_tools: bool, memory: CallMemory | None) -> dict:
+def _assistant_turn(group: list[InputItem], native_tools: bool, memory: CallMemory | None,
+                    hidden: list[str] | None = None) -> dict:
     text = "".join(it.text() for it in group if isinstance(it, MessageItem))
     reasoning = "\n".join(t for it in group if isinstance(it, ReasoningItem) and (t := it.text()))
     calls = [it for it in group if isinstance(it, FunctionCallItem)]
@@ -122,9 +127,17 @@ def _assistant_turn(group: list[InputItem], native_tools: bool, memory: CallMemo
         ]
     elif calls:
         message["content"] = "\n".join(([text] if text else []) + [call_text(_qualified(c), c.arguments, c.custom) for c in calls])
-    if reasoning:
+    raw = "".join(it._raw for it in group if isinstance(it, ReasoningItem) and it._raw)
+    if hidden is not None and raw:
+        message["content"] = _hidden_marker(len(hidden)) + message["content"]
+        hidden.append(raw)
+    elif reasoning:
         message["reasoning_content"] = reasoning  # templates that replay reasoning (Qwen3) read this
     return message
+
+
+def _hidden_marker(k: int) -> str:
+    return f"\ue002{k}\ue002"
 
 
 def _qualified(call: FunctionCallItem) -> str:
@@ -148,6 +161,11 @@ def apply_template(tokenizer, messages: list[dict], add_generation_prompt: bool 
 
 def render(tokenizer, messages: list[dict], tools: list[dict] | None = None) -> Prompt:
     """`tools`: the tool specs for templates that render tools themselves."""
+    text = _prompt_text(tokenizer, messages, tools)
+    return Prompt(text=text, tokens=list(tokenizer.encode(text, add_special_tokens=False)))
+
+
+def _prompt_text(tokenizer, messages: list[dict], tools: list[dict] | None) -> str:
     try:
         text = apply_template(tokenizer, messages, tools=tools)
     except Exception as exc:  # jinja raises on conversations the template forbids
@@ -156,8 +174,20 @@ def render(tokenizer, messages: list[dict], tools: list[dict] | None = None) -> 
         text.encode("utf-8")
     except UnicodeEncodeError as exc:  # JSON may carry lone surrogates ("\ud800")
         raise Problem("invalid_request", f"the input is not valid Unicode text: {exc.reason} at {exc.start}") from None
-    tokens = tokenizer.encode(text, add_special_tokens=False)
-    return Prompt(text=text, tokens=list(tokens))
+    return text
+
+
+def render_hidden(tokenizer, messages: list[dict], hidden: list[str], tools: list[dict] | None = None) -> Prompt | None:
+    """The prompt with each turn's hidden reasoning where the model sampled it: the true
+    history, which a live KV holds byte for byte. Templates render an earlier assistant turn
+    from its content (dropping reasoning), so the raw reasoning goes where the content
+    starts; None where the template did not keep a marker exactly once."""
+    text = _prompt_text(tokenizer, messages, tools)
+    for k, raw in enumerate(hidden):
+        if text.count(_hidden_marker(k)) != 1:
+            return None
+        text = text.replace(_hidden_marker(k), raw)
+    return Prompt(text=text, tokens=list(tokenizer.encode(text, add_special_tokens=False)))
 
 
 # Private-use characters no client text is expected to contain: follow-up turns whose

@@ -10,7 +10,7 @@ from ..cache.calls import CallMemory, CallTurn
 from ..cache.session import Binding
 from ..protocol.ids import new_id
 from ..protocol.requests import FunctionCallItem, FunctionTool, InputItem, MessageItem, ReasoningItem
-from .events import GenerationEvent, ReasoningDelta, TextDelta, ToolCall
+from .events import GenerationEvent, ReasoningDelta, ReasoningEnd, TextDelta, ToolCall
 from .output import OutputFormat, OutputParser, ParsedCall
 from .render import to_chat_messages, turn_binding
 from .tools import tool_specs
@@ -26,9 +26,10 @@ class Conversation:
     native_tools: bool = False
     live_calls: tuple[str, ...] = ()  # a tool-output-only request: the live calls it continues
 
-    def messages(self, memory: CallMemory | None, more: list[InputItem] = ()) -> list[dict]:
+    def messages(self, memory: CallMemory | None, more: list[InputItem] = (), hidden: list[str] | None = None) -> list[dict]:
         return to_chat_messages(
-            self.items + list(more), self.instructions, tools=self.tools, native_tools=self.native_tools, memory=memory
+            self.items + list(more), self.instructions, tools=self.tools, native_tools=self.native_tools, memory=memory,
+            hidden=hidden,
         )
 
     def template_tools(self) -> list[dict] | None:
@@ -41,7 +42,10 @@ class TurnOutput:
     def __init__(self, tokenizer, conv: Conversation, prompt_text: str, emit: Callable[[GenerationEvent], None]):
         fmt = OutputFormat.of(tokenizer)
         tools = {t.name: t for t in conv.tools} if conv.tools else None
-        self.parser = OutputParser(fmt, tools, state="reasoning" if fmt.opens_in_reasoning(prompt_text) else "text")
+        opens = fmt.opens_in_reasoning(prompt_text)
+        self.parser = OutputParser(fmt, tools, state="reasoning" if opens else "text")
+        # The opening tag the template put in the prompt belongs to the turn's raw reasoning.
+        self._opening = prompt_text[prompt_text.rfind(fmt.think[0]):] if opens else ""
         self.tokenizer = tokenizer
         self.conv = conv
         self._emit = emit
@@ -63,6 +67,8 @@ class TurnOutput:
                 self.calls.append(e)
             elif isinstance(e, ReasoningDelta):
                 self.reasoning.append(e.text)
+            elif isinstance(e, ReasoningEnd):
+                e = ReasoningEnd(self._opening + e.raw)
             elif isinstance(e, TextDelta):
                 self.text.append(e.text)
             self._emit(e)

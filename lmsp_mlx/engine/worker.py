@@ -34,6 +34,7 @@ class Job:
     route: str
     loop: asyncio.AbstractEventLoop
     text: str = ""  # the rendered prompt: what text-prefix lookups compare
+    visible: str | None = None  # the prompt as a visible-only replay renders, where `text` reveals hidden reasoning
     conv: Conversation | None = None  # the items behind the prompt: for the turn's visible transcript
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     started: bool = False  # the worker took it from the queue (a task is then `in_progress`)
@@ -133,8 +134,9 @@ class Engine:
     def busy(self) -> bool:
         return self._current is not None
 
-    def submit(self, params: GenerationParams, route: str, text: str = "", conv: Conversation | None = None) -> Job:
-        job = Job(params=params, route=route, loop=asyncio.get_running_loop(), text=text, conv=conv)
+    def submit(self, params: GenerationParams, route: str, text: str = "", conv: Conversation | None = None,
+               visible: str | None = None) -> Job:
+        job = Job(params=params, route=route, loop=asyncio.get_running_loop(), text=text, conv=conv, visible=visible)
         try:
             self._jobs.put_nowait(job)
         except queue.Full:
@@ -184,7 +186,7 @@ class Engine:
             self._log(job, lm, "cancelled", Usage(n, 0), 0.0, 0.0, f" prefilled=0/{n}")
             return
         label = f"tool-output ids={len(job.conv.live_calls)}" if job.conv and job.conv.live_calls else None
-        start = pool.start(job.text, job.params.prompt, limit=lm.context_length - 1, label=label)
+        start = pool.start(job.text, job.params.prompt, limit=lm.context_length - 1, label=label, visible=job.visible)
         if label and start.source not in ("visible", "disk"):
             # Its live state was replaced while it waited: a tool result alone cannot be
             # prefilled cold (the model would never see its own call).

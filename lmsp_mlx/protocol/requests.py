@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator
 
 from .problems import Problem
 
@@ -88,6 +88,8 @@ class ReasoningItem(_Strict):
     id: str | None = None
     content: list[Any] | None = None
     encrypted_content: str | None = None
+    # The raw reasoning its encrypted_content seals, once the server opened it (never from a client).
+    _raw: str | None = PrivateAttr(default=None)
 
     def text(self) -> str:
         parts = (self.content or []) + self.summary
@@ -216,6 +218,7 @@ class ResponsesRequest(_Strict):
     # Fields of the OpenAI-style /v1 route (ignored on LMSP when absent).
     instructions: str | None = None
     text: dict[str, Any] | None = None
+    include: list[str] | None = None  # "reasoning.encrypted_content": sealed reasoning state
 
     @field_validator("temperature", "top_p", mode="before")
     @classmethod

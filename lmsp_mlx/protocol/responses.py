@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Literal, Union
 
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 
 Status = Literal["in_progress", "completed", "incomplete", "failed", "cancelled"]
 
@@ -52,6 +52,8 @@ class ReasoningOutput(BaseModel):
     id: str
     type: Literal["reasoning"] = "reasoning"
     summary: list[SummaryText]
+    # /v1 with include ["reasoning.encrypted_content"]: the sealed raw reasoning (server/sealing.py).
+    encrypted_content: str | None = Field(default=None, exclude=True)
 
 
 OutputItem = Union[MessageOutput, FunctionCallOutput, CustomToolCallOutput, ReasoningOutput]
@@ -98,7 +100,7 @@ def v1_item(item: OutputItem, status: str) -> dict[str, Any]:
         return {"id": item.id, "type": "custom_tool_call", "status": status, "call_id": item.call_id,
                 "name": item.name, "input": item.input}
     if isinstance(item, ReasoningOutput):
-        return {"id": item.id, "type": "reasoning", "status": status, "encrypted_content": None,
+        return {"id": item.id, "type": "reasoning", "status": status, "encrypted_content": item.encrypted_content,
                 "summary": [p.model_dump() for p in item.summary]}
     return {
         "id": item.id,

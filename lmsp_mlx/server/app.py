@@ -16,6 +16,7 @@ from ..protocol.problems import Problem
 from ..store import Database, IdempotencyKeys, StoredResponses, TaskLog
 from . import lmsp, openai
 from .auth import Tokens, authorize, requires
+from .sealing import Sealer
 from .state import ServerSettings, ServerState
 from .tasks import Tasks
 
@@ -43,9 +44,10 @@ def problem_response(problem: Problem) -> Response:
     return resp
 
 
-def create_app(engine: Engine, settings: ServerSettings, tokens: Tokens, db: Database) -> Quart:
+def create_app(engine: Engine, settings: ServerSettings, tokens: Tokens, db: Database, state_key: bytes) -> Quart:
     """The app over a started engine and an open store; tasks a previous process left
-    running are marked failed here, before any request can ask for them."""
+    running are marked failed here, before any request can ask for them. `state_key` seals
+    the state clients carry (server/sealing.py)."""
     app = Quart("lmsp_mlx")
     app.json.sort_keys = False  # keep the documented field order (id, object, ...)
     app.config["MAX_CONTENT_LENGTH"] = settings.max_body_bytes
@@ -56,7 +58,8 @@ def create_app(engine: Engine, settings: ServerSettings, tokens: Tokens, db: Dat
     tasks = Tasks(TaskLog(db), IdempotencyKeys(db))
     tasks.recover()
     responses = StoredResponses(db)
-    app.extensions["lmsp_mlx"] = ServerState(engine, settings, tokens, responses, tasks)
+    app.extensions["lmsp_mlx"] = ServerState(engine, settings, tokens, responses, tasks,
+                                             Sealer(state_key, engine.model.fingerprint))
     app.register_blueprint(lmsp.bp)
     app.register_blueprint(openai.bp)
 

@@ -13,6 +13,9 @@
 - A tool output for a call neither the request nor the server knows: 400 `unknown_call_id`.
 - A reasoning model's replayed tool-call turn without its reasoning item, which the server
   has no state for either: 400 `reasoning_state_missing`.
+- A reasoning item's `encrypted_content` (sealed by this server, server/sealing.py) is
+  opened, and its raw reasoning is rendered where the model sampled it; one that does not
+  open (altered, another key, another model) is 400 naming the item.
 """
 
 from __future__ import annotations
@@ -37,6 +40,8 @@ from ..protocol.requests import (
     ResponsesRequest,
     function_tools,
 )
+
+from .sealing import Sealer, SealError
 
 _ITEMS = TypeAdapter(list[InputItem])
 log = logging.getLogger("lmsp_mlx.server")
@@ -150,6 +155,18 @@ def prepare(req: ResponsesRequest, route: str, tokenizer, calls: CallMemory,
     offered = [] if choice == "none" else tools
     conv = Conversation(items, req.instructions, offered, native_tools(tokenizer), live)
     return conv, reply_spec(req, route, choice, tools)
+
+
+def open_reasoning(items: list[InputItem], sealer: Sealer) -> None:
+    """Reveal the raw reasoning sealed in reasoning items (ReasoningItem._raw)."""
+    for index, item in enumerate(items):
+        if isinstance(item, ReasoningItem) and item.encrypted_content is not None:
+            try:
+                raw = sealer.open("reasoning", item.encrypted_content).get("raw")
+            except SealError as exc:
+                raise Problem("invalid_request", f"input[{index}] is a reasoning item whose encrypted_content "
+                              f"cannot be used: {exc}", param=f"input[{index}].encrypted_content") from None
+            item._raw = raw if isinstance(raw, str) else None
 
 
 def _check_reasoning(items: list[InputItem], calls: CallMemory) -> None:

@@ -8,8 +8,9 @@ newline between two calls) is not worth a message of its own and is dropped.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
-from ..engine.events import ReasoningDelta, TextDelta, ToolCall
+from ..engine.events import ReasoningDelta, ReasoningEnd, TextDelta, ToolCall
 from ..protocol.ids import new_id
 from ..protocol.responses import (
     CustomToolCallOutput,
@@ -31,7 +32,11 @@ class ItemEvent:
 
 
 class ItemFolder:
-    def __init__(self) -> None:
+    """`seal(raw)`, when given, makes a reasoning item's `encrypted_content` from the raw
+    reasoning text the KV holds."""
+
+    def __init__(self, seal: Callable[[str], str] | None = None) -> None:
+        self.seal = seal
         self.items: list[OutputItem] = []
         self._open: int | None = None
         self._parts: list[str] = []
@@ -42,6 +47,13 @@ class ItemFolder:
             return self._delta(MessageOutput, "text", event.text)
         if isinstance(event, ReasoningDelta):
             return self._delta(ReasoningOutput, "reasoning", event.text)
+        if isinstance(event, ReasoningEnd):
+            if self.seal is None or self._open is None or not isinstance(self.items[self._open], ReasoningOutput):
+                return []
+            i = self._open
+            self.items[i] = self.items[i].model_copy(
+                update={"encrypted_content": self.seal(event.raw)})
+            return self.close()
         if isinstance(event, ToolCall):
             out = self.close()
             if event.custom:

@@ -19,7 +19,7 @@ from ..engine.generate import GenerationParams
 from ..engine.constrain import Constraint, GrammarError
 from ..engine.grammar import ReplySpec, full_grammar
 from ..engine.output import OutputFormat
-from ..engine.render import render
+from ..engine.render import render, render_hidden
 from ..engine.worker import Engine
 from ..protocol.ids import new_id
 from ..protocol.problems import Problem
@@ -27,8 +27,9 @@ from ..protocol.requests import InputItem, ResponsesRequest
 from ..store.responses import Stored
 from ..protocol.responses import IncompleteDetails, InputTokensDetails, ResponseObject, ResponseUsage
 from .auth import owner
-from .conversation import prepare
+from .conversation import open_reasoning, prepare
 from .items import ItemEvent, ItemFolder
+from .sealing import Sealer
 
 log = logging.getLogger("lmsp_mlx.server")
 
@@ -57,9 +58,10 @@ def check_capabilities(req: ResponsesRequest, capabilities: tuple[str, ...]) -> 
 class ResponseRun:
     """`req` is the request as sent; `history` the stored conversation its
     `previous_response_id` names, rendered before its input. `keep`, when the response is
-    to be stored, is called once it has ended."""
+    to be stored, is called once it has ended. `sealer` opens sealed reasoning in the input
+    and, on /v1 with `include: ["reasoning.encrypted_content"]`, seals the reasoning out."""
 
-    def __init__(self, engine: Engine, req: ResponsesRequest, route: str, prefill_step: int,
+    def __init__(self, engine: Engine, req: ResponsesRequest, route: str, prefill_step: int, sealer: Sealer,
                  history: list[InputItem] | None = None, keep: Callable[["ResponseRun"], None] | None = None) -> None:
         lm = engine.model
         assert lm is not None
@@ -74,7 +76,9 @@ class ResponseRun:
         self.created_at = int(time.time())
         self.completed_at: int | None = None
         self.status = "in_progress"
-        self.folder = ItemFolder()
+        self.sealer = sealer
+        sealed = route == "v1" and "reasoning.encrypted_content" in (req.include or [])
+        self.folder = ItemFolder(seal=(lambda raw: sealer.seal("reasoning", {"raw": raw})) if sealed else None)
         self.usage: ResponseUsage | None = None
         self.incomplete_reason: str | None = None
         self.error: dict | None = None
@@ -86,10 +90,20 @@ class ResponseRun:
     async def start(self) -> None:
         """Render and measure the prompt (off the event loop), then queue the job."""
         lm = self.engine.model
+        open_reasoning(self.req.items(), self.sealer)  # the same item objects `prepare` sees
         full = self.req.model_copy(update={"input": self.history + self.req.items()}) if self.history else self.req
         conv, spec = prepare(full, self.route, lm.tokenizer, self.engine.calls, "reasoning" in lm.capabilities)
         messages = conv.messages(self.engine.calls)
         prompt = await asyncio.to_thread(render, lm.tokenizer, messages, conv.template_tools())
+        visible, hidden = None, []
+        revealed = conv.messages(self.engine.calls, hidden=hidden)
+        if hidden:  # sealed reasoning came back: the prompt is the true history, as the KV held it
+            true = await asyncio.to_thread(render_hidden, lm.tokenizer, revealed, hidden, conv.template_tools())
+            if true is None:
+                log.warning("this chat template does not keep a turn's content where hidden reasoning goes; "
+                            "the visible history is rendered")
+            else:
+                visible, prompt = prompt.text, true
         constraint = await asyncio.to_thread(self._constraint, spec, prompt.text) if spec else None
         n, ctx = len(prompt.tokens), lm.context_length
         if n >= ctx:
@@ -109,7 +123,7 @@ class ResponseRun:
             prefill_step=self.prefill_step,
             constraint=constraint,
         )
-        self.job = self.engine.submit(params, self.route, text=prompt.text, conv=conv)
+        self.job = self.engine.submit(params, self.route, text=prompt.text, conv=conv, visible=visible)
 
     def _constraint(self, spec: ReplySpec, prompt_text: str) -> Constraint | None:
         """The reply's grammar, compiled before any generation (a failure is a 400)."""
@@ -222,7 +236,7 @@ async def start_run(route: str, req: ResponsesRequest, local: dict[str, Stored] 
         if req.store:
             s.responses.put(who, done.request, done.response, done.completed_at)
 
-    run = ResponseRun(s.engine, req, route, s.settings.prefill_step, history,
+    run = ResponseRun(s.engine, req, route, s.settings.prefill_step, s.sealer, history,
                       keep if req.store or local is not None else None)
     await run.start()
     return run

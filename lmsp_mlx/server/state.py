@@ -13,6 +13,7 @@ from ..protocol.problems import Problem
 from ..protocol.requests import ResponsesRequest, parse_request
 from ..store import StoredResponses
 from .auth import Tokens
+from .sealing import Sealer
 from .tasks import Tasks
 
 
@@ -31,6 +32,7 @@ class ServerState:
     tokens: Tokens
     responses: StoredResponses
     tasks: Tasks
+    sealer: Sealer  # state handed to clients opaque: reasoning, compaction
 
 
 def state() -> ServerState:
