@@ -155,3 +155,27 @@ def test_a_key_file_others_can_read_is_refused_at_start(caller_dir, tmp_path):
                         "--store", str(tmp_path / "s.sqlite3"), "--no-kv-disk"],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode != 0 and "holds 5 bytes" in r.stderr
+
+
+def test_an_agent_loop_replaying_sealed_reasoning_continues_live_every_turn(start_server, tmp_path):
+    """Codex's loop without Codex: reason and call, call again after the result (a one-token
+    reply), answer after the second; each replay carries the sealed reasoning item."""
+    from test_codex import ANSWER, COUNT, LOOP, READ
+    from tiny_model import STEPPED_CHATML
+
+    model = build_scripted_model(tmp_path / "looper", script=LOOP, words=(READ, COUNT, ANSWER), template=STEPPED_CHATML)
+    server = start_server("--model", str(model), "--model-id", "tiny")
+    tools = [{"type": "function", "name": "exec_command", "strict": False,
+              "parameters": {"type": "object", "properties": {"cmd": {"type": "string"}}}}]
+    history: list = [{"role": "user", "content": "What do my notes say?"}]
+    for turn in range(3):
+        resp = ask(server, history, tools=tools).json()
+        history += resp["output"]
+        history += [{"type": "function_call_output", "call_id": o["call_id"], "output": f"result {turn}"}
+                    for o in resp["output"] if o["type"] == "function_call"]
+        if turn:
+            held = previous["usage"]["input_tokens"] + previous["usage"]["output_tokens"]
+            assert resp["usage"]["input_tokens_details"]["cached_tokens"] >= held
+        previous = resp
+    assert resp["output"][0]["content"][0]["text"] == ANSWER
+    assert sources(server) == ["cold", "visible", "visible"]

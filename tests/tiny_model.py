@@ -121,9 +121,24 @@ CALLS = (
 )
 TOOL_SCRIPT = ["Ċ", "<think>", "Ġt", "h", "e", "</think>", *CALLS, "<|im_end|>"]
 
+# A template whose generation prompt says how many tool results the conversation holds, by
+# the byte it ends with ("\n", "\t", then " "; not "\r", which Jinja reads as a newline): a
+# scripted model can then call a tool, call another after the first result, and answer
+# after the second (an agent's loop).
+# Earlier turns render with "\n" and without their reasoning, as REASONING_CHATML.
+STEPPED_CHATML = (
+    "{% set ns = namespace(results=0) %}"
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+    "{% if message['content'].startswith('<tool_response>') %}{% set ns.results = ns.results + 1 %}{% endif %}"
+    "{% if message['role'] == 'assistant' %}{{ message['content'].split('</think>')[-1].lstrip('\n') }}"
+    "{% else %}{{ message['content'] }}{% endif %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant{{ ['\n', '\t', ' '][[ns.results, 2] | min] }}{% endif %}"
+)
+
 
 def build_scripted_model(out: Path, *, script: list[str] = SCRIPT, words: tuple[str, ...] = (), seed: int = 11,
-                         context: int = 32768, tokenizer_config: dict | None = None) -> Path:
+                         context: int = 32768, tokenizer_config: dict | None = None,
+                         template: str = REASONING_CHATML) -> Path:
     """A tiny llama whose greedy output is `script`, whatever came before.
 
     Its layers add nothing to the residual stream (zero output projections), so the last
@@ -135,7 +150,7 @@ def build_scripted_model(out: Path, *, script: list[str] = SCRIPT, words: tuple[
     from tokenizers import Tokenizer
 
     out.mkdir(parents=True, exist_ok=True)
-    config = _config(write_tokenizer(out, SPECIALS + THINK, REASONING_CHATML, words, tokenizer_config), context)
+    config = _config(write_tokenizer(out, SPECIALS + THINK, template, words, tokenizer_config), context)
     mx.random.seed(seed)
     model = llama.Model(llama.ModelArgs.from_dict(config))
     vocab = Tokenizer.from_file(str(out / "tokenizer.json")).get_vocab()

@@ -177,7 +177,11 @@ class SessionPool:
         s.prompt_tokens = min(len(start.tokens), len(s.tokens))
         s.prompt_text = self._decode(s.tokens[: s.prompt_tokens])
         s.text = self._decode(s.tokens)
-        s.binding = binding if len(s.tokens) == len(full) else None
+        if binding is not None and generated and len(s.tokens) == len(full) - 1:
+            # The last sampled token was never fed (a one-token reply ends before the
+            # look-ahead step feeds its end-of-turn token): it is prefilled with the tail.
+            binding = Binding(binding.key, self._decode(full[-1:]) + binding.tail)
+        s.binding = binding if len(s.tokens) >= len(full) - 1 else None
         s.calls = calls if s.binding else None
         s.last_used = time.monotonic()
         s.snapshot()
