@@ -206,6 +206,22 @@ class SessionPool:
         log.info("kv checkpoint reason=%s kind=%s tokens=%d file=%s (copied in %.2fs, written in the background)",
                  reason, kind, len(s.tokens), path.name, time.perf_counter() - began)
 
+    def keep_history(self, s: Session, text: str) -> None:
+        """Checkpoint the leading part of `s` that holds `text` (a compacted conversation),
+        keyed by that text, so a request continuing it finds it after this session is gone."""
+        tokens = self._encode(text)
+        if s.tokens[: len(tokens)] != tokens:
+            log.warning("kv checkpoint reason=compaction skipped: the history does not tokenize to the KV's prefix")
+            return
+        if self.disk is None:
+            return
+        try:
+            path = self.disk.save(Session(cache=s.cache, tokens=tokens), "token", text)
+        except Exception as exc:  # a cache that cannot be cut to the prefix (sliding window, recurrent)
+            log.warning("kv checkpoint reason=compaction failed: %s: %s", type(exc).__name__, exc)
+            return
+        log.info("kv checkpoint reason=compaction kind=token tokens=%d file=%s", len(tokens), path.name)
+
     def _drop(self, s: Session) -> None:
         if s in self.sessions:
             self.sessions.remove(s)

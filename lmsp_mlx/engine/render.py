@@ -15,6 +15,7 @@ from ..cache.session import Binding
 
 from ..protocol.problems import Problem
 from ..protocol.requests import (
+    CompactionItem,
     FunctionCallItem,
     FunctionCallOutputItem,
     FunctionTool,
@@ -54,14 +55,15 @@ def to_chat_messages(
     one assistant turn. A turn whose calls the server sampled itself is rendered with the
     text it sampled (exact replay, from `memory`); others are rendered from their items.
     With `hidden` (a list to fill), a turn whose reasoning item carried sealed raw reasoning
-    starts with a marker for it, and the raw text is appended to `hidden`: see
-    `render_hidden`."""
+    starts with a marker for it, and the raw text is appended to `hidden`: see `reveal`."""
     messages: list[dict] = []
     if instructions:
         messages.append({"role": "system", "content": instructions})
     i = 0
     while i < len(items):
         item = items[i]
+        if isinstance(item, CompactionItem):  # server/compaction.py expands these before rendering
+            raise Problem("invalid_request", "a compaction item cannot be rendered here", param=f"input[{i}]")
         if isinstance(item, MessageItem) and item.role != "assistant":
             _check_content(item, i)
             # Chat templates know system/user/assistant; OpenAI's `developer` role is the system prompt.
@@ -161,11 +163,14 @@ def apply_template(tokenizer, messages: list[dict], add_generation_prompt: bool 
 
 def render(tokenizer, messages: list[dict], tools: list[dict] | None = None) -> Prompt:
     """`tools`: the tool specs for templates that render tools themselves."""
-    text = _prompt_text(tokenizer, messages, tools)
+    return encode(tokenizer, prompt_text(tokenizer, messages, tools))
+
+
+def encode(tokenizer, text: str) -> Prompt:
     return Prompt(text=text, tokens=list(tokenizer.encode(text, add_special_tokens=False)))
 
 
-def _prompt_text(tokenizer, messages: list[dict], tools: list[dict] | None) -> str:
+def prompt_text(tokenizer, messages: list[dict], tools: list[dict] | None = None) -> str:
     try:
         text = apply_template(tokenizer, messages, tools=tools)
     except Exception as exc:  # jinja raises on conversations the template forbids
@@ -177,23 +182,57 @@ def _prompt_text(tokenizer, messages: list[dict], tools: list[dict] | None) -> s
     return text
 
 
-def render_hidden(tokenizer, messages: list[dict], hidden: list[str], tools: list[dict] | None = None) -> Prompt | None:
-    """The prompt with each turn's hidden reasoning where the model sampled it: the true
+def reveal(text: str, hidden: list[str]) -> str | None:
+    """`text` with each turn's hidden reasoning where the model sampled it: the true
     history, which a live KV holds byte for byte. Templates render an earlier assistant turn
     from its content (dropping reasoning), so the raw reasoning goes where the content
     starts; None where the template did not keep a marker exactly once."""
-    text = _prompt_text(tokenizer, messages, tools)
     for k, raw in enumerate(hidden):
         if text.count(_hidden_marker(k)) != 1:
             return None
         text = text.replace(_hidden_marker(k), raw)
-    return Prompt(text=text, tokens=list(tokenizer.encode(text, add_special_tokens=False)))
+    return text
 
 
 # Private-use characters no client text is expected to contain: follow-up turns whose
 # renderings share the replayed turn's text, and a marker for where the reply ends.
 _FOLLOW_UPS = (("user", "\ue000a"), ("user", "\ue000b"), ("system", "\ue000c"))
 _REPLY_END = "\ue001"
+
+
+def _follow_up_renders(tokenizer, messages: list[dict], tools: list[dict] | None) -> list[str]:
+    renders = []
+    for role, text in _FOLLOW_UPS:
+        try:
+            renders.append(apply_template(tokenizer, messages + [{"role": role, "content": text}], tools=tools))
+        except Exception:  # templates may refuse a role in that position
+            continue
+    return renders
+
+
+def history_text(tokenizer, messages: list[dict], tools: list[dict] | None = None) -> str | None:
+    """The text a conversation renders to up to where the next turn's own text starts, as
+    every follow-up renders it (a turn binding's key, for a whole conversation); None where
+    the template renders too few follow-ups to tell."""
+    renders = _follow_up_renders(tokenizer, messages, tools)
+    return os.path.commonprefix(renders) if len(renders) >= 2 else None
+
+
+# What a continuation is rendered after: any short conversation ending with a finished turn.
+_STAND_IN = [{"role": "user", "content": "\ue000s"}, {"role": "assistant", "content": "\ue000t"}]
+
+
+def continuation_text(tokenizer, messages: list[dict], history: bool = False) -> str | None:
+    """The text `messages` render to when they follow an earlier conversation, to be put
+    after that conversation's `history_text`: they are rendered after a stand-in
+    conversation, from where its next turn starts; as a prompt, or with `history` up to
+    where the turn after them starts. None where the template does not render them as a
+    plain continuation."""
+    key = history_text(tokenizer, _STAND_IN)
+    full = history_text(tokenizer, _STAND_IN + messages) if history else prompt_text(tokenizer, _STAND_IN + messages)
+    if key is None or full is None or not full.startswith(key):
+        return None
+    return full[len(key):]
 
 
 def turn_binding(tokenizer, messages: list[dict], kv_after_reply: str, tools: list[dict] | None = None) -> Binding | None:
@@ -206,12 +245,7 @@ def turn_binding(tokenizer, messages: list[dict], kv_after_reply: str, tools: li
     tokens, hidden reasoning included, then `kv_after_reply` (the end-of-turn token if it
     was fed); the tail is the rest of the key after that. None where the template does not
     render the reply verbatim: such a turn is still found by token or text prefix."""
-    renders = []
-    for role, text in _FOLLOW_UPS:
-        try:
-            renders.append(apply_template(tokenizer, messages + [{"role": role, "content": text}], tools=tools))
-        except Exception:  # templates may refuse a role in that position
-            continue
+    renders = _follow_up_renders(tokenizer, messages, tools)
     if len(renders) < 2:
         return None
     key = os.path.commonprefix(renders)

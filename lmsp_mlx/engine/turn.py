@@ -3,37 +3,90 @@ and what the turn leaves behind for the next one (remembered calls, visible tran
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import Callable
 
 from ..cache.calls import CallMemory, CallTurn
 from ..cache.session import Binding
 from ..protocol.ids import new_id
+from ..protocol.problems import Problem
 from ..protocol.requests import FunctionCallItem, FunctionTool, InputItem, MessageItem, ReasoningItem
 from .events import GenerationEvent, ReasoningDelta, ReasoningEnd, TextDelta, ToolCall
 from .output import OutputFormat, OutputParser, ParsedCall
-from .render import to_chat_messages, turn_binding
+from .render import (
+    Prompt,
+    continuation_text,
+    encode,
+    history_text,
+    prompt_text,
+    reveal,
+    to_chat_messages,
+    turn_binding,
+)
 from .tools import tool_specs
+
+log = logging.getLogger("lmsp_mlx.engine")
 
 
 @dataclass
 class Conversation:
-    """What a job carries besides token ids: enough to render the turn as a replay."""
+    """What a job carries besides token ids: enough to render the turn as a replay.
+
+    `head`: the rendered text of a compacted conversation these items continue (a
+    compaction item stood for it); the items are then rendered as its continuation, and
+    its instructions and tools are already in it."""
 
     items: list[InputItem]
     instructions: str | None = None
     tools: list[FunctionTool] = field(default_factory=list)  # offered to the model; none: calls not parsed
     native_tools: bool = False
     live_calls: tuple[str, ...] = ()  # a tool-output-only request: the live calls it continues
+    head: str = ""
 
     def messages(self, memory: CallMemory | None, more: list[InputItem] = (), hidden: list[str] | None = None) -> list[dict]:
         return to_chat_messages(
-            self.items + list(more), self.instructions, tools=self.tools, native_tools=self.native_tools, memory=memory,
-            hidden=hidden,
+            self.items + list(more), None if self.head else self.instructions, tools=[] if self.head else self.tools,
+            native_tools=self.native_tools, memory=memory, hidden=hidden,
         )
 
     def template_tools(self) -> list[dict] | None:
-        return tool_specs(self.tools) if self.tools and self.native_tools else None
+        return tool_specs(self.tools) if self.tools and self.native_tools and not self.head else None
+
+    def prompt(self, tokenizer, memory: CallMemory | None) -> tuple[Prompt, str | None]:
+        """The prompt, and the visible-only text where the prompt reveals sealed hidden
+        reasoning (the true history: what the KV held)."""
+        visible, true = self._texts(tokenizer, memory, history=False)
+        if visible is None:
+            raise Problem("invalid_request", "the model's chat template cannot continue the compacted conversation")
+        return encode(tokenizer, true or visible), (visible if true else None)
+
+    def history(self, tokenizer, memory: CallMemory | None) -> str | None:
+        """The conversation's text up to where its next turn starts, hidden reasoning
+        revealed: the part of the KV a compaction keeps."""
+        visible, true = self._texts(tokenizer, memory, history=True)
+        return true or visible
+
+    def _texts(self, tokenizer, memory: CallMemory | None, history: bool) -> tuple[str | None, str | None]:
+        def text(messages: list[dict]) -> str | None:
+            if self.head:
+                rest = continuation_text(tokenizer, messages, history=history)
+                return None if rest is None else self.head + rest
+            if history:
+                return history_text(tokenizer, messages, self.template_tools())
+            return prompt_text(tokenizer, messages, self.template_tools())
+
+        hidden: list[str] = []
+        revealed = self.messages(memory, hidden=hidden)
+        visible = text(self.messages(memory))
+        if not hidden:
+            return visible, None
+        marked = text(revealed)
+        true = reveal(marked, hidden) if marked is not None else None
+        if true is None:
+            log.warning("this chat template does not keep a turn's content where hidden reasoning goes; "
+                        "the visible history is rendered")
+        return visible, true
 
 
 class TurnOutput:
@@ -97,5 +150,7 @@ class TurnOutput:
         return turn
 
     def binding(self, memory: CallMemory, ended: str) -> Binding | None:
+        if self.conv.head:  # keyed by the whole conversation's visible text, which a compaction replaced
+            return None
         messages = self.conv.messages(memory, self.output_items())
         return turn_binding(self.tokenizer, messages, ended, tools=self.conv.template_tools())

@@ -35,6 +35,7 @@ class Job:
     loop: asyncio.AbstractEventLoop
     text: str = ""  # the rendered prompt: what text-prefix lookups compare
     visible: str | None = None  # the prompt as a visible-only replay renders, where `text` reveals hidden reasoning
+    keep_history: str | None = None  # a compaction: checkpoint the KV of this leading part of `text`
     conv: Conversation | None = None  # the items behind the prompt: for the turn's visible transcript
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     started: bool = False  # the worker took it from the queue (a task is then `in_progress`)
@@ -135,8 +136,9 @@ class Engine:
         return self._current is not None
 
     def submit(self, params: GenerationParams, route: str, text: str = "", conv: Conversation | None = None,
-               visible: str | None = None) -> Job:
-        job = Job(params=params, route=route, loop=asyncio.get_running_loop(), text=text, conv=conv, visible=visible)
+               visible: str | None = None, keep_history: str | None = None) -> Job:
+        job = Job(params=params, route=route, loop=asyncio.get_running_loop(), text=text, conv=conv, visible=visible,
+                  keep_history=keep_history)
         try:
             self._jobs.put_nowait(job)
         except queue.Full:
@@ -233,6 +235,8 @@ class Engine:
                 log.exception("the turn's visible transcript could not be rendered")
         self._log(job, lm, _STATUS[done.reason], done.usage, done.prefill_tps, done.decode_tps, extra)
         pool.finish(start, sampled, ok=True, binding=binding, calls=calls)
+        if job.keep_history and done.reason != "cancelled":
+            pool.keep_history(start.session, job.keep_history)
 
     def _log(self, job: Job, lm: LoadedModel, status: str, usage: Usage, prefill: float, decode: float, extra: str = "") -> None:
         c = self.counters

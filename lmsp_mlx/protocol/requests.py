@@ -115,9 +115,19 @@ class CustomToolCallOutputItem(_Strict):
     id: str | None = None
 
 
+class CompactionItem(_Strict):
+    """The output of POST .../responses/compact standing for the conversation before it
+    (server/compaction.py); its content is sealed by the server."""
+
+    type: Literal["compaction"]
+    encrypted_content: str
+    id: str | None = None
+    created_by: str | None = None
+
+
 InputItem = Annotated[
     Union[MessageItem, FunctionCallItem, FunctionCallOutputItem, ReasoningItem, CustomToolCallItem,
-          CustomToolCallOutputItem],
+          CustomToolCallOutputItem, CompactionItem],
     Field(discriminator="type"),
 ]
 
@@ -236,6 +246,7 @@ class ResponsesRequest(_Strict):
 
 _UNION_TAGS = {
     "message", "function_call", "function_call_output", "reasoning", "custom_tool_call", "custom_tool_call_output",
+    "compaction",
     "input_text", "output_text", "input_image", "input_audio", "input_file",
 }
 

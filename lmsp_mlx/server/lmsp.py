@@ -13,7 +13,7 @@ from ..protocol.requests import parse_request
 from ..protocol.responses import FunctionCallOutput
 from ..store import TaskRecord
 from .auth import owner, requires
-from .run import ResponseRun, start_run, stored_response
+from .run import ResponseRun, compact, start_run, stored_response
 from .sse import LmspEvents, SseEvent, sse_response
 from .state import read_json, state
 from .tasks import LiveTask
@@ -84,6 +84,15 @@ async def create_response():
         error = response.get("error") or {}
         raise Problem(error.get("code", "internal_error"), error.get("detail", "generation failed"), headers=headers)
     return response, 200, headers
+
+
+@bp.post("/responses/compact")
+@requires("responses:write")
+async def compact_response():
+    """Compact a conversation (an extension of section 6, as on /v1): its user messages
+    and one `compaction` item, whose sealed content resumes the conversation's
+    checkpointed KV (or, where that is gone, a summary the model wrote)."""
+    return await compact("lmsp")
 
 
 @bp.get("/responses/<response_id>")

@@ -16,7 +16,7 @@ from ..store.responses import Stored
 from ..protocol.responses import CustomToolCallOutput, MessageOutput, ReasoningOutput, ResponseObject, v1_item, v1_response
 from .auth import requires
 from .items import ItemEvent
-from .run import ResponseRun, start_run, stored_response
+from .run import ResponseRun, compact, start_run, stored_response
 from .sse import OpenResponsesEvents, V1Event, sse_response
 from .state import read_json, state
 
@@ -53,6 +53,15 @@ async def create_response():
     if not run.req.stream:
         return v1_response(await run.run_to_end(), run.req, run.completed_at)
     return sse_response(stream_v1(run))
+
+
+@bp.post("/responses/compact")
+@requires("responses:write")
+async def compact_response():
+    """Compact a conversation: its user messages and one `compaction` item, whose sealed
+    content resumes the conversation's checkpointed KV (or, where that is gone, a summary
+    the model wrote)."""
+    return await compact("v1")
 
 
 @bp.get("/responses/<response_id>")

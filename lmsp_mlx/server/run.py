@@ -19,14 +19,14 @@ from ..engine.generate import GenerationParams
 from ..engine.constrain import Constraint, GrammarError
 from ..engine.grammar import ReplySpec, full_grammar
 from ..engine.output import OutputFormat
-from ..engine.render import render, render_hidden
 from ..engine.worker import Engine
 from ..protocol.ids import new_id
 from ..protocol.problems import Problem
-from ..protocol.requests import InputItem, ResponsesRequest
+from ..protocol.requests import InputItem, MessageItem, ResponsesRequest, parse_request
 from ..store.responses import Stored
-from ..protocol.responses import IncompleteDetails, InputTokensDetails, ResponseObject, ResponseUsage
+from ..protocol.responses import IncompleteDetails, InputTokensDetails, MessageOutput, ResponseObject, ResponseUsage
 from .auth import owner
+from . import compaction
 from .conversation import open_reasoning, prepare
 from .items import ItemEvent, ItemFolder
 from .sealing import Sealer
@@ -58,11 +58,14 @@ def check_capabilities(req: ResponsesRequest, capabilities: tuple[str, ...]) -> 
 class ResponseRun:
     """`req` is the request as sent; `history` the stored conversation its
     `previous_response_id` names, rendered before its input. `keep`, when the response is
-    to be stored, is called once it has ended. `sealer` opens sealed reasoning in the input
-    and, on /v1 with `include: ["reasoning.encrypted_content"]`, seals the reasoning out."""
+    to be stored, is called once it has ended. `sealer` opens sealed reasoning and compaction
+    items in the input and, on /v1 with `include: ["reasoning.encrypted_content"]`, seals
+    the reasoning out. `compact`: the run writes the summary of a compaction, and keeps
+    the conversation's text in `compacted` (its KV is checkpointed under it)."""
 
     def __init__(self, engine: Engine, req: ResponsesRequest, route: str, prefill_step: int, sealer: Sealer,
-                 history: list[InputItem] | None = None, keep: Callable[["ResponseRun"], None] | None = None) -> None:
+                 histories: compaction.Histories, history: list[InputItem] | None = None,
+                 keep: Callable[["ResponseRun"], None] | None = None, compact: bool = False) -> None:
         lm = engine.model
         assert lm is not None
         if req.model != lm.id:
@@ -86,24 +89,26 @@ class ResponseRun:
         self.limited_by_context = False
         self.history = history or []
         self.keep = keep
+        self.histories = histories
+        self.compact = compact
+        self.compacted: str | None = None
 
     async def start(self) -> None:
         """Render and measure the prompt (off the event loop), then queue the job."""
         lm = self.engine.model
         open_reasoning(self.req.items(), self.sealer)  # the same item objects `prepare` sees
-        full = self.req.model_copy(update={"input": self.history + self.req.items()}) if self.history else self.req
+        items, head = compaction.expand(self.history + self.req.items(), self.req, self.sealer, self.histories,
+                                        self.engine.pool.disk, lm.tokenizer, offset=len(self.history))
+        full = self.req.model_copy(update={"input": items})
         conv, spec = prepare(full, self.route, lm.tokenizer, self.engine.calls, "reasoning" in lm.capabilities)
-        messages = conv.messages(self.engine.calls)
-        prompt = await asyncio.to_thread(render, lm.tokenizer, messages, conv.template_tools())
-        visible, hidden = None, []
-        revealed = conv.messages(self.engine.calls, hidden=hidden)
-        if hidden:  # sealed reasoning came back: the prompt is the true history, as the KV held it
-            true = await asyncio.to_thread(render_hidden, lm.tokenizer, revealed, hidden, conv.template_tools())
-            if true is None:
-                log.warning("this chat template does not keep a turn's content where hidden reasoning goes; "
-                            "the visible history is rendered")
-            else:
-                visible, prompt = prompt.text, true
+        conv.head = head
+        if self.compact:
+            self.compacted = await asyncio.to_thread(conv.history, lm.tokenizer, self.engine.calls)
+            if not self.compacted:
+                raise Problem("unsupported_capability", "this model's chat template does not render a conversation "
+                              "that can be continued, so it cannot be compacted")
+            conv.items = conv.items + [MessageItem(role="user", content=compaction.SUMMARY_REQUEST)]
+        prompt, visible = await asyncio.to_thread(conv.prompt, lm.tokenizer, self.engine.calls)
         constraint = await asyncio.to_thread(self._constraint, spec, prompt.text) if spec else None
         n, ctx = len(prompt.tokens), lm.context_length
         if n >= ctx:
@@ -123,7 +128,8 @@ class ResponseRun:
             prefill_step=self.prefill_step,
             constraint=constraint,
         )
-        self.job = self.engine.submit(params, self.route, text=prompt.text, conv=conv, visible=visible)
+        self.job = self.engine.submit(params, self.route, text=prompt.text, conv=conv, visible=visible,
+                                      keep_history=self.compacted)
 
     def _constraint(self, spec: ReplySpec, prompt_text: str) -> Constraint | None:
         """The reply's grammar, compiled before any generation (a failure is a 400)."""
@@ -204,6 +210,26 @@ class ResponseRun:
 _ITEMS = TypeAdapter(list[InputItem])
 
 
+async def compact(route: str) -> dict:
+    """POST .../responses/compact: summarise the conversation, checkpoint its KV, and
+    return its user messages and a compaction item (server/compaction.py)."""
+    from .state import read_json, state
+
+    body = await read_json()
+    if isinstance(body, dict) and "input" not in body and body.get("previous_response_id"):
+        body = {**body, "input": []}
+    req = parse_request(body)
+    req = req.model_copy(update={
+        "stream": False, "store": False, "temperature": 0.0, "text": None, "response_format": None, "include": None,
+        "max_output_tokens": min(req.max_output_tokens or compaction.SUMMARY_TOKENS, compaction.SUMMARY_TOKENS)})
+    run = await start_run(route, req, compact=True)
+    resp = await run.run_to_end()
+    summary = "".join(p.text for item in resp.output if isinstance(item, MessageOutput) for p in item.content)
+    s = state()
+    sealed = compaction.seal(s.sealer, req, run.compacted, summary.strip(), s.histories)
+    return compaction.compacted_object(run.history + req.items(), sealed, resp.usage)
+
+
 async def stored_response(response_id: str) -> Stored:
     """A response the caller's token stored; 404 `response_not_found` otherwise."""
     from .state import state
@@ -214,10 +240,12 @@ async def stored_response(response_id: str) -> Stored:
     return found
 
 
-async def start_run(route: str, req: ResponsesRequest, local: dict[str, Stored] | None = None) -> ResponseRun:
+async def start_run(route: str, req: ResponsesRequest, local: dict[str, Stored] | None = None,
+                    compact: bool = False) -> ResponseRun:
     """Queue a request's generation, its stored history first: the common start of every
     route. `local`: a WebSocket connection's own responses, which chain with
-    previous_response_id even when not stored; each finished run is added to it."""
+    previous_response_id even when not stored; each finished run is added to it.
+    `compact`: the run summarises the conversation for a compaction (ResponseRun)."""
     from .state import state
 
     s, who = state(), owner()
@@ -236,7 +264,7 @@ async def start_run(route: str, req: ResponsesRequest, local: dict[str, Stored] 
         if req.store:
             s.responses.put(who, done.request, done.response, done.completed_at)
 
-    run = ResponseRun(s.engine, req, route, s.settings.prefill_step, s.sealer, history,
-                      keep if req.store or local is not None else None)
+    run = ResponseRun(s.engine, req, route, s.settings.prefill_step, s.sealer, s.histories, history,
+                      keep if req.store or local is not None else None, compact=compact)
     await run.start()
     return run

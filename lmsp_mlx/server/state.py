@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from quart import current_app, request
@@ -13,6 +13,7 @@ from ..protocol.problems import Problem
 from ..protocol.requests import ResponsesRequest, parse_request
 from ..store import StoredResponses
 from .auth import Tokens
+from .compaction import Histories
 from .sealing import Sealer
 from .tasks import Tasks
 
@@ -33,6 +34,7 @@ class ServerState:
     responses: StoredResponses
     tasks: Tasks
     sealer: Sealer  # state handed to clients opaque: reasoning, compaction
+    histories: Histories = field(default_factory=Histories)  # conversations compacted by this process
 
 
 def state() -> ServerState:
