@@ -38,7 +38,7 @@ def ask(server, input_: list) -> dict:
 
 
 def sources(server) -> list[str]:
-    return re.findall(r"cache_source=(\S+) cached", server.log())
+    return re.findall(r"cache_source=(\S+(?: ids=\d+)?) cached", server.log())
 
 
 @pytest.fixture
@@ -140,3 +140,81 @@ def test_the_lmsp_route_compacts_too(server):
     assert r.status_code == 200 and r.json()["object"] == "response.compaction"
     r = compact(server, route="/lmsp/v1/responses/compact", input="not a list", model="gpt-9")
     assert r.status_code == 404 and r.headers["content-type"].startswith("application/problem+json")
+
+
+# The scripted reasoning model of test_tools: reasons " the", then calls get_weather and get_time.
+@pytest.fixture(scope="module")
+def caller_dir(tmp_path_factory) -> Path:
+    from tiny_model import CALLS, TOOL_SCRIPT, build_scripted_model
+
+    return build_scripted_model(tmp_path_factory.mktemp("models") / "caller", script=TOOL_SCRIPT, words=CALLS)
+
+
+def call_loop(server, input_: list, **fields) -> dict:
+    from test_tools import TOOLS
+
+    r = httpx.post(server.url + "/v1/responses", timeout=120, json={
+        "model": "tiny", "input": input_, "tools": TOOLS, "temperature": 0, "max_output_tokens": 40, "store": False,
+        **fields})
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def test_a_tool_loop_continues_after_a_compaction_with_tool_outputs_alone(start_server, caller_dir, tmp_path):
+    from test_tools import QUESTION, TOOLS, outputs_for
+
+    server = start_server("--model", str(caller_dir), "--model-id", "tiny", "--kv-disk-dir", str(tmp_path / "kv"))
+    history = [QUESTION, {"role": "assistant", "content": "Let me look that up. " * 20}]
+    compacted = compact(server, input=history, tools=TOOLS, instructions=None).json()["output"]
+    turn = call_loop(server, [*compacted, QUESTION])
+    calls = [i for i in turn["output"] if i["type"] == "function_call"]
+    alone = call_loop(server, outputs_for(calls))  # only the results: the live turn, compacted history and all
+    assert sources(server)[-1] == "tool-output ids=2"
+    whole = call_loop(server, [*compacted, QUESTION, *turn["output"], *outputs_for(calls)])
+    assert alone["usage"]["input_tokens"] == whole["usage"]["input_tokens"]
+
+
+def test_compacting_a_live_reasoning_turn_checkpoints_the_kv_it_holds(start_server, caller_dir, tmp_path):
+    from test_tools import QUESTION, TOOLS, outputs_for
+
+    key, kv = tmp_path / "state.key", tmp_path / "kv"
+    args = ("--model", str(caller_dir), "--model-id", "tiny", "--kv-disk-dir", str(kv), "--state-key-file", str(key))
+    server = start_server(*args)
+    first = call_loop(server, [QUESTION])
+    calls = [i for i in first["output"] if i["type"] == "function_call"]
+    conversation = [QUESTION, *first["output"], *outputs_for(calls)]  # reasoning replayed without its sealed text
+    compacted = compact(server, input=conversation, tools=TOOLS, instructions=None).json()["output"]
+    deadline = time.monotonic() + 10
+    while "kv checkpoint reason=compaction" not in server.log():
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    assert "reason=compaction kind=visible" in server.log() and "compaction skipped" not in server.log()
+    server.stop()
+    again = start_server(*args)
+    resumed = call_loop(again, [*compacted, QUESTION])
+    assert sources(again)[0] == "disk" and "continuing from its summary" not in again.log()
+    # Prefilled: the new question and its markup (about one token per byte here).
+    assert resumed["usage"]["input_tokens"] - resumed["usage"]["input_tokens_details"]["cached_tokens"] < 60
+
+
+def test_edge_cases_of_what_is_compacted(server, start_server, tiny_model_dir, tmp_path):
+    # Nothing to compact.
+    r = compact(server, input=[])
+    assert r.status_code == 400 and r.json()["error"]["param"] == "input"
+    # A compaction item with nothing after it continues the conversation as it is.
+    output = compact(server).json()["output"]
+    r = httpx.post(server.url + "/v1/responses", timeout=60, json={
+        "model": "tiny", "input": [output[-1]], "instructions": "Be brief.", "max_output_tokens": 4})
+    assert r.status_code == 200, r.text
+    # A stored chain holding a compaction item, read by a server with another key: the
+    # problem names previous_response_id, not an index into someone else's input.
+    stored = httpx.post(server.url + "/v1/responses", timeout=60, json={
+        "model": "tiny", "input": [*output, NEXT], "instructions": "Be brief.", "max_output_tokens": 4}).json()
+    other = start_server("--model", str(tiny_model_dir), "--model-id", "tiny", "--store", str(server_store(server)))
+    r = httpx.post(other.url + "/v1/responses", timeout=60, json={
+        "model": "tiny", "input": "And then?", "previous_response_id": stored["id"], "max_output_tokens": 4})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "previous_response_id"
+
+
+def server_store(server) -> Path:
+    return Path(server.args[server.args.index("--store") + 1])

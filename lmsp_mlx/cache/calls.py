@@ -20,6 +20,7 @@ class CallTurn:
     call_ids: tuple[str, ...]
     visible: str  # the turn's sampled text after any reasoning, call markup included
     items: tuple  # the conversation's input items through this turn's output, as JSON dicts
+    head: str = ""  # the compacted conversation's text the items continue (server/compaction.py)
 
 
 class CallMemory:

@@ -6,8 +6,8 @@ Format `lmsp-kv-1` (also described in the README, "Checkpoints on disk"):
 - `__metadata__` (strings): `format`, `model` (the model fingerprint), `kind` (`visible`:
   keyed by the visible transcript a client replays, the KV may hold hidden reasoning;
   `token`: keyed by the text the tokens decode to), `key_sha256` and `key_chars` (the key's
-  hash and length in characters), `tail` (visible kind: text to prefill before the request's
-  suffix), `token_count`, `tokens` (JSON ids), `classes` (JSON: the mlx-lm cache class of
+  hash and length in characters), `key_text` (compaction checkpoints only: the key),
+  `tail` (visible kind: text to prefill before the request's suffix), `token_count`, `tokens` (JSON ids), `classes` (JSON: the mlx-lm cache class of
   each layer), `scalars` (JSON: the state's non-array leaves), and fixed-width decimal
   `created`, `last_used` (Unix seconds) and `hits`, which are updated in place.
 
@@ -173,7 +173,8 @@ class CheckpointStore:
             )
             if self.calls is not None and meta.get("calls"):
                 turn = json.loads(meta["calls"])
-                self.calls.remember(CallTurn(tuple(turn["call_ids"]), turn["visible"], tuple(turn["items"])))
+                self.calls.remember(CallTurn(tuple(turn["call_ids"]), turn["visible"], tuple(turn["items"]),
+                                             turn.get("head", "")))
         except (OSError, CheckpointError, KeyError, ValueError, TypeError) as exc:
             self._reject(path, str(exc) or type(exc).__name__)
             return None
@@ -220,9 +221,10 @@ class CheckpointStore:
         self._touch(entry)
         return session
 
-    def save(self, session: Session, kind: str, key: str, tail: str = "") -> Path:
+    def save(self, session: Session, kind: str, key: str, tail: str = "", keep_key: bool = False) -> Path:
         """Queue the session's state for writing under `key` (replacing a file with the
-        same key); returns the file's path. The copy to host memory happens here."""
+        same key); returns the file's path. The copy to host memory happens here.
+        `keep_key`: store the key text itself (`key_text`), for a compaction's text."""
         n = len(session.tokens)
         tensors, scalars = {}, {}
         for i, c in enumerate(session.cache):
@@ -248,9 +250,12 @@ class CheckpointStore:
             "last_used": f"{now:012d}",
             "hits": f"{0:010d}",
         }
+        if keep_key:
+            meta["key_text"] = key
         if session.calls is not None:
             c = session.calls
-            meta["calls"] = json.dumps({"call_ids": list(c.call_ids), "visible": c.visible, "items": list(c.items)})
+            meta["calls"] = json.dumps({"call_ids": list(c.call_ids), "visible": c.visible, "items": list(c.items),
+                                        **({"head": c.head} if c.head else {})})
         final = self.dir / f"{kind}-{meta['key_sha256'][:40]}{SUFFIX}"
         self._writes.put((final, tensors, meta))
         session.saved_tokens = n

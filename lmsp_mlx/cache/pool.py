@@ -51,6 +51,10 @@ class Start:
     cached: int  # tokens already in the KV
     tokens: list[int]  # what the KV holds once the prompt is prefilled: cached + suffix
     made: bool = False  # the lookup made this session (cold, a copied prefix, a restore)
+    # A visible-transcript start: the cached tokens hold the visible text's first
+    # `key_chars` characters (hidden reasoning included), and `tail` was prefilled after them.
+    key_chars: int = 0
+    tail: str = ""
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
@@ -105,7 +109,7 @@ class SessionPool:
             s = max(visible, key=lambda s: len(s.binding.key))
             full = s.tokens + self._encode(s.binding.tail + seen[len(s.binding.key):])
             if len(full) <= limit:
-                return Start(s, "visible", len(s.tokens), full)
+                return Start(s, "visible", len(s.tokens), full, key_chars=len(s.binding.key), tail=s.binding.tail)
 
         exact = [s for s in self.sessions if 0 < len(s.tokens) < n and tokens[: len(s.tokens)] == s.tokens]
         if exact:
@@ -133,12 +137,12 @@ class SessionPool:
                 session = self.disk.load(entry, matched[: entry.key_chars])
                 if session is not None:
                     log.info("kv disk: restored %s (%d tokens, %s)", entry.path.name, entry.tokens, entry.kind)
-                    if session.binding is not None:
-                        full = session.tokens + self._encode(session.binding.tail + matched[entry.key_chars:])
-                    else:
-                        full = session.tokens + self._encode(matched[entry.key_chars:])
+                    tail = session.binding.tail if session.binding is not None else ""
+                    full = session.tokens + self._encode(tail + matched[entry.key_chars:])
                     if len(full) <= limit:
-                        return Start(session, "disk", len(session.tokens), full)
+                        visible = session.binding is not None
+                        return Start(session, "disk", len(session.tokens), full,
+                                     key_chars=entry.key_chars if visible else 0, tail=tail)
 
         if best is not None:
             return self._take(best)
@@ -206,21 +210,44 @@ class SessionPool:
         log.info("kv checkpoint reason=%s kind=%s tokens=%d file=%s (copied in %.2fs, written in the background)",
                  reason, kind, len(s.tokens), path.name, time.perf_counter() - began)
 
-    def keep_history(self, s: Session, text: str) -> None:
-        """Checkpoint the leading part of `s` that holds `text` (a compacted conversation),
-        keyed by that text, so a request continuing it finds it after this session is gone."""
-        tokens = self._encode(text)
-        if s.tokens[: len(tokens)] != tokens:
-            log.warning("kv checkpoint reason=compaction skipped: the history does not tokenize to the KV's prefix")
+    def keep_history(self, start: Start, text: str) -> None:
+        """Checkpoint the leading part of this request's KV that holds `text` (a compacted
+        conversation), keyed by that text, so a request continuing it finds it after the
+        session is gone. The KV's own tokens are kept (they may split text differently
+        from a fresh tokenization, and hold hidden reasoning where the request came in by
+        its visible transcript)."""
+        s = start.session
+        found = self._text_prefix(s, text)
+        kind = "token"
+        if found is None and start.key_chars and len(text) >= start.key_chars:
+            kind = "visible"  # the cached part holds the visible text's first key_chars characters
+            found = start.tokens[: start.cached] + self._encode(start.tail + text[start.key_chars:])
+            if s.tokens[: len(found)] != found:
+                found = None
+        if found is None:
+            log.warning("kv checkpoint reason=compaction skipped: no prefix of the KV holds the compacted text")
             return
         if self.disk is None:
             return
         try:
-            path = self.disk.save(Session(cache=s.cache, tokens=tokens), "token", text)
+            path = self.disk.save(Session(cache=s.cache, tokens=found), kind, text, keep_key=True)
         except Exception as exc:  # a cache that cannot be cut to the prefix (sliding window, recurrent)
             log.warning("kv checkpoint reason=compaction failed: %s: %s", type(exc).__name__, exc)
             return
-        log.info("kv checkpoint reason=compaction kind=token tokens=%d file=%s", len(tokens), path.name)
+        log.info("kv checkpoint reason=compaction kind=%s tokens=%d file=%s", kind, len(found), path.name)
+
+    def _text_prefix(self, s: Session, text: str) -> list[int] | None:
+        """The shortest prefix of the session's tokens that decodes to `text`, if any."""
+        if not s.text.startswith(text):
+            return None
+        lo, hi = 0, len(s.tokens)
+        while lo < hi:  # decoded length grows with the token count
+            mid = (lo + hi) // 2
+            if len(self._decode(s.tokens[:mid])) < len(text):
+                lo = mid + 1
+            else:
+                hi = mid
+        return s.tokens[:lo] if self._decode(s.tokens[:lo]) == text else None
 
     def _drop(self, s: Session) -> None:
         if s in self.sessions:

@@ -48,6 +48,7 @@ def to_chat_messages(
     native_tools: bool = False,
     memory: CallMemory | None = None,
     hidden: list[str] | None = None,
+    allow_empty: bool = False,
 ) -> list[dict]:
     """Protocol items -> the `messages` list chat templates expect.
 
@@ -85,7 +86,7 @@ def to_chat_messages(
                 j += 1
             messages.append(_assistant_turn(items[i:j], native_tools, memory, hidden))
         i = j
-    if not messages:
+    if not messages and not allow_empty:  # (a compacted conversation may be continued as it is)
         raise Problem("invalid_request", "input must contain at least one message", param="input")
     if tools and not native_tools:
         if messages[0]["role"] == "system":
@@ -233,6 +234,15 @@ def continuation_text(tokenizer, messages: list[dict], history: bool = False) ->
     if key is None or full is None or not full.startswith(key):
         return None
     return full[len(key):]
+
+
+def continued_binding(tokenizer, head: str, messages: list[dict], kv_after_reply: str) -> Binding | None:
+    """`turn_binding` for a turn that continues a compacted conversation's text `head`."""
+    key = history_text(tokenizer, _STAND_IN)
+    found = turn_binding(tokenizer, _STAND_IN + messages, kv_after_reply)
+    if key is None or found is None or not found.key.startswith(key):
+        return None
+    return Binding(key=head + found.key[len(key):], tail=found.tail)
 
 
 def turn_binding(tokenizer, messages: list[dict], kv_after_reply: str, tools: list[dict] | None = None) -> Binding | None:

@@ -17,6 +17,7 @@ from .output import OutputFormat, OutputParser, ParsedCall
 from .render import (
     Prompt,
     continuation_text,
+    continued_binding,
     encode,
     history_text,
     prompt_text,
@@ -47,7 +48,7 @@ class Conversation:
     def messages(self, memory: CallMemory | None, more: list[InputItem] = (), hidden: list[str] | None = None) -> list[dict]:
         return to_chat_messages(
             self.items + list(more), None if self.head else self.instructions, tools=[] if self.head else self.tools,
-            native_tools=self.native_tools, memory=memory, hidden=hidden,
+            native_tools=self.native_tools, memory=memory, hidden=hidden, allow_empty=bool(self.head),
         )
 
     def template_tools(self) -> list[dict] | None:
@@ -145,12 +146,12 @@ class TurnOutput:
         if not self.calls:
             return None
         items = tuple(i.model_dump(exclude_none=True) for i in self.conv.items + self.output_items())
-        turn = CallTurn(tuple(c.call_id for c in self.calls), "".join(self.parser.visible), items)
+        turn = CallTurn(tuple(c.call_id for c in self.calls), "".join(self.parser.visible), items, self.conv.head)
         memory.remember(turn)
         return turn
 
     def binding(self, memory: CallMemory, ended: str) -> Binding | None:
-        if self.conv.head:  # keyed by the whole conversation's visible text, which a compaction replaced
-            return None
         messages = self.conv.messages(memory, self.output_items())
+        if self.conv.head:
+            return continued_binding(self.tokenizer, self.conv.head, messages, ended)
         return turn_binding(self.tokenizer, messages, ended, tools=self.conv.template_tools())

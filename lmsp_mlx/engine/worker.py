@@ -236,7 +236,7 @@ class Engine:
         self._log(job, lm, _STATUS[done.reason], done.usage, done.prefill_tps, done.decode_tps, extra)
         pool.finish(start, sampled, ok=True, binding=binding, calls=calls)
         if job.keep_history and done.reason != "cancelled":
-            pool.keep_history(start.session, job.keep_history)
+            pool.keep_history(start, job.keep_history)
 
     def _log(self, job: Job, lm: LoadedModel, status: str, usage: Usage, prefill: float, decode: float, extra: str = "") -> None:
         c = self.counters

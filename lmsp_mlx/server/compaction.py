@@ -27,8 +27,8 @@ from typing import Any
 from ..cache.disk import SUFFIX, CheckpointStore, key_hash, read_header
 from ..engine.render import continuation_text
 from ..protocol.ids import new_id
-from ..protocol.problems import Problem
 from ..protocol.requests import CompactionItem, InputItem, MessageItem, ResponsesRequest
+from .conversation import sealed_problem
 from .sealing import Sealer, SealError
 
 log = logging.getLogger("lmsp_mlx.server")
@@ -63,8 +63,10 @@ class Histories:
 
 
 def setup_digest(req: ResponsesRequest) -> str:
-    """What the compacted text fixed besides the conversation: instructions and tools."""
-    return hashlib.sha256(json.dumps([req.instructions, req.tools], sort_keys=True).encode()).hexdigest()
+    """What the compacted text fixed besides the conversation: instructions and the tools
+    it renders (none under tool_choice "none")."""
+    tools = None if req.tool_choice == "none" else req.tools
+    return hashlib.sha256(json.dumps([req.instructions, tools], sort_keys=True).encode()).hexdigest()
 
 
 def seal(sealer: Sealer, req: ResponsesRequest, history: str, summary: str, histories: Histories) -> str:
@@ -76,14 +78,14 @@ def expand(items: list[InputItem], req: ResponsesRequest, sealer: Sealer, histor
            disk: CheckpointStore | None, tokenizer, offset: int = 0) -> tuple[list[InputItem], str]:
     """The items to render and the compacted text they continue ("" for none). `offset`:
     how many items (a stored history) precede the request's own input, for error params."""
-    opened = {i: _open(item, i - offset, sealer) for i, item in enumerate(items) if isinstance(item, CompactionItem)}
+    opened = {i: _open(item, i, offset, sealer) for i, item in enumerate(items) if isinstance(item, CompactionItem)}
     if not opened:
         return items, ""
     last = max(opened)
     payload = opened[last]
     head = None
     if payload.get("setup") == setup_digest(req) and _continues(tokenizer):
-        head = histories.get(payload.get("history", "")) or _from_checkpoint(payload.get("history", ""), disk, tokenizer)
+        head = histories.get(payload.get("history", "")) or _from_checkpoint(payload.get("history", ""), disk)
     if head:
         log.info("compaction: continuing the compacted conversation (%d characters)", len(head))
         return items[last + 1:], head
@@ -91,12 +93,11 @@ def expand(items: list[InputItem], req: ResponsesRequest, sealer: Sealer, histor
     return [_summary(opened[i]) if i in opened else item for i, item in enumerate(items)], ""
 
 
-def _open(item: CompactionItem, index: int, sealer: Sealer) -> dict[str, Any]:
+def _open(item: CompactionItem, index: int, offset: int, sealer: Sealer) -> dict[str, Any]:
     try:
         return sealer.open("compaction", item.encrypted_content)
     except SealError as exc:
-        raise Problem("invalid_request", f"input[{index}] is a compaction item that cannot be used: {exc}",
-                      param=f"input[{index}].encrypted_content") from None
+        raise sealed_problem(index, offset, "a compaction item", exc) from None
 
 
 def _summary(payload: dict[str, Any]) -> MessageItem:
@@ -109,18 +110,19 @@ def _continues(tokenizer) -> bool:
     return continuation_text(tokenizer, [{"role": "user", "content": "x"}]) is not None
 
 
-def _from_checkpoint(digest: str, disk: CheckpointStore | None, tokenizer) -> str | None:
-    """The compacted text from its checkpoint's tokens, where that file is still there."""
+def _from_checkpoint(digest: str, disk: CheckpointStore | None) -> str | None:
+    """The compacted text kept in its checkpoint (`key_text`), where that file is still there."""
     if disk is None or not digest:
         return None
-    try:
-        _, meta = read_header(disk.dir / f"token-{digest[:40]}{SUFFIX}")
-        if meta.get("model") != disk.fingerprint:
-            return None
-        text = tokenizer.decode(json.loads(meta["tokens"]))
-    except (OSError, ValueError, KeyError):
-        return None
-    return text if key_hash(text) == digest else None
+    for kind in ("token", "visible"):
+        try:
+            _, meta = read_header(disk.dir / f"{kind}-{digest[:40]}{SUFFIX}")
+        except (OSError, ValueError):
+            continue
+        text = meta.get("key_text")
+        if meta.get("model") == disk.fingerprint and isinstance(text, str) and key_hash(text) == digest:
+            return text
+    return None
 
 
 def compacted_object(items: list[InputItem], sealed: str, usage: Any) -> dict:

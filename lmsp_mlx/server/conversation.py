@@ -131,8 +131,9 @@ def response_schema(req: ResponsesRequest, route: str) -> tuple[dict | bool | No
 
 
 def prepare(req: ResponsesRequest, route: str, tokenizer, calls: CallMemory,
-            reasoning: bool) -> tuple[Conversation, ReplySpec | None]:
-    """The conversation to render, and the constraint on its reply (or None)."""
+            reasoning: bool, head: str = "") -> tuple[Conversation, ReplySpec | None]:
+    """The conversation to render, and the constraint on its reply (or None). `head`: the
+    compacted conversation's text the items continue (server/compaction.py)."""
     tools = function_tools(req.tools, compat=route == "v1")
     choice = tool_choice(req, tools)
     items = req.items()
@@ -145,6 +146,7 @@ def prepare(req: ResponsesRequest, route: str, tokenizer, calls: CallMemory,
                           "replay the full conversation", param="input[0].call_id")
         live = tuple(i.call_id for i in items if isinstance(i, FunctionCallOutputItem) and i.call_id in turn.call_ids)
         items = _ITEMS.validate_python(list(turn.items)) + items
+        head = turn.head
     known = {i.call_id for i in items if isinstance(i, FunctionCallItem)}
     for index, item in enumerate(req.items()):
         if isinstance(item, FunctionCallOutputItem) and item.call_id not in known:
@@ -153,19 +155,29 @@ def prepare(req: ResponsesRequest, route: str, tokenizer, calls: CallMemory,
     if reasoning and not live:
         _check_reasoning(req.items(), calls)
     offered = [] if choice == "none" else tools
-    conv = Conversation(items, req.instructions, offered, native_tools(tokenizer), live)
+    conv = Conversation(items, req.instructions, offered, native_tools(tokenizer), live, head)
     return conv, reply_spec(req, route, choice, tools)
 
 
-def open_reasoning(items: list[InputItem], sealer: Sealer) -> None:
+def sealed_problem(index: int, offset: int, what: str, why: SealError) -> Problem:
+    """400 for sealed content that does not open: `index` counts the stored conversation
+    (`offset` items, from previous_response_id) before the request's own input."""
+    if index >= offset:
+        where = f"input[{index - offset}]"
+        return Problem("invalid_request", f"{where} is {what} that cannot be used: {why}",
+                       param=f"{where}.encrypted_content")
+    return Problem("invalid_request", f"item {index} of the stored conversation is {what} that cannot be used: {why}",
+                   param="previous_response_id")
+
+
+def open_reasoning(items: list[InputItem], sealer: Sealer, offset: int = 0) -> None:
     """Reveal the raw reasoning sealed in reasoning items (ReasoningItem._raw)."""
     for index, item in enumerate(items):
         if isinstance(item, ReasoningItem) and item.encrypted_content is not None:
             try:
                 raw = sealer.open("reasoning", item.encrypted_content).get("raw")
             except SealError as exc:
-                raise Problem("invalid_request", f"input[{index}] is a reasoning item whose encrypted_content "
-                              f"cannot be used: {exc}", param=f"input[{index}].encrypted_content") from None
+                raise sealed_problem(index, offset, "a reasoning item whose encrypted_content", exc) from None
             item._raw = raw if isinstance(raw, str) else None
 
 

@@ -58,9 +58,10 @@ async def create_response():
 @bp.post("/responses/compact")
 @requires("responses:write")
 async def compact_response():
-    """Compact a conversation: its user messages and one `compaction` item, whose sealed
-    content resumes the conversation's checkpointed KV (or, where that is gone, a summary
-    the model wrote)."""
+    """Compact a conversation into its user messages and one compaction item.
+
+    The item's sealed content resumes the conversation's checkpointed KV (or, where that
+    is gone, a summary the model wrote)."""
     return await compact("v1")
 
 

@@ -35,6 +35,15 @@ def _schemas() -> dict[str, Any]:
             "param": {"type": "string"},
         },
     }
+    schemas["Compaction"] = {
+        "type": "object", "required": ["id", "object", "created_at", "output", "usage"],
+        "properties": {
+            "id": {"type": "string"}, "object": {"const": "response.compaction"}, "created_at": {"type": "integer"},
+            "output": {"type": "array", "description": "the user messages, then one compaction item",
+                       "items": {"type": "object"}},
+            "usage": {"$ref": _REF.format(model="ResponseUsage")},
+        },
+    }
     schemas["TaskCreate"] = {"type": "object", "required": ["request"],
                              "properties": {"request": {"$ref": _REF.format(model="ResponsesRequest")}}}
     return schemas
@@ -53,10 +62,14 @@ def _operation(app: Quart, endpoint: str, method: str, path: str) -> dict[str, A
     if params:
         op["parameters"] = [{"name": p, "in": "path", "required": True, "schema": {"type": "string"}} for p in params]
     body = {"/lmsp/v1/responses": "ResponsesRequest", "/v1/responses": "ResponsesRequest",
+            "/lmsp/v1/responses/compact": "ResponsesRequest", "/v1/responses/compact": "ResponsesRequest",
             "/lmsp/v1/tasks": "TaskCreate"}.get(path) if method == "post" else None
     if body:
         op["requestBody"] = {"required": True, "content": {"application/json": {"schema": {"$ref": _REF.format(model=body)}}}}
-    if path.startswith("/lmsp/v1/responses"):
+    if path.endswith("/responses/compact"):
+        op["responses"]["200"] = {"description": "the compacted conversation", "content": {
+            "application/json": {"schema": {"$ref": _REF.format(model="Compaction")}}}}
+    elif path.startswith("/lmsp/v1/responses"):
         op["responses"]["200"] = {"description": "a response object, or with stream: true its events", "content": {
             "application/json": {"schema": {"$ref": _REF.format(model="ResponseObject")}},
             "text/event-stream": {"schema": {"type": "string"}}}}

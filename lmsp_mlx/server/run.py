@@ -96,12 +96,14 @@ class ResponseRun:
     async def start(self) -> None:
         """Render and measure the prompt (off the event loop), then queue the job."""
         lm = self.engine.model
-        open_reasoning(self.req.items(), self.sealer)  # the same item objects `prepare` sees
-        items, head = compaction.expand(self.history + self.req.items(), self.req, self.sealer, self.histories,
+        items = self.history + self.req.items()
+        open_reasoning(items, self.sealer, offset=len(self.history))  # the same item objects `prepare` sees
+        if self.compact and not items:
+            raise Problem("invalid_request", "there is no conversation to compact: input is empty", param="input")
+        items, head = compaction.expand(items, self.req, self.sealer, self.histories,
                                         self.engine.pool.disk, lm.tokenizer, offset=len(self.history))
         full = self.req.model_copy(update={"input": items})
-        conv, spec = prepare(full, self.route, lm.tokenizer, self.engine.calls, "reasoning" in lm.capabilities)
-        conv.head = head
+        conv, spec = prepare(full, self.route, lm.tokenizer, self.engine.calls, "reasoning" in lm.capabilities, head)
         if self.compact:
             self.compacted = await asyncio.to_thread(conv.history, lm.tokenizer, self.engine.calls)
             if not self.compacted:
@@ -221,6 +223,8 @@ async def compact(route: str) -> dict:
     req = parse_request(body)
     req = req.model_copy(update={
         "stream": False, "store": False, "temperature": 0.0, "text": None, "response_format": None, "include": None,
+        # The tools stay in the compacted text; the summary is free text, not a forced call.
+        "tool_choice": "none" if req.tool_choice == "none" else "auto",
         "max_output_tokens": min(req.max_output_tokens or compaction.SUMMARY_TOKENS, compaction.SUMMARY_TOKENS)})
     run = await start_run(route, req, compact=True)
     resp = await run.run_to_end()
