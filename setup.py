@@ -14,8 +14,22 @@ if sys.platform.startswith("linux"):
         Extension(
             "lmsp_mlx.cpu_blas._shim",
             sources=["lmsp_mlx/cpu_blas/shim.c", "lmsp_mlx/cpu_blas/prefill.c"],
+            depends=["lmsp_mlx/cpu_blas/simd.h"],
             extra_compile_args=["-O3"],
             libraries=["dl", "m"],
+            optional=True,
+        )
+    )
+    # The fused decode step (OpenMP across the cores); its own module, so a compiler
+    # without OpenMP loses only this, not the BLAS shim.
+    ext_modules.append(
+        Extension(
+            "lmsp_mlx.cpu_blas._decode",
+            sources=["lmsp_mlx/cpu_blas/decode.c"],
+            depends=["lmsp_mlx/cpu_blas/simd.h"],
+            extra_compile_args=["-O3", "-fopenmp"],
+            extra_link_args=["-fopenmp"],
+            libraries=["m"],
             optional=True,
         )
     )

@@ -11,8 +11,9 @@ every matmul costs what it costs in the real model) with weights that make greed
 follow a fixed script: `<think>`, `--reasoning` words, `</think>`, `--visible` words.
 
 Both servers get the same CPU math: mlx_lm.server is started through a wrapper that routes
-MLX's matmuls to OpenBLAS and installs lmsp-mlx's fused prefill kernels into its model,
-so the comparison measures what each server prefills, not whose kernels are faster.
+MLX's matmuls to OpenBLAS and installs lmsp-mlx's fused prefill kernels and compiled
+decode step into its model, so the comparison measures what each server prefills, not
+whose kernels are faster.
 
 Reports per turn: time to first token (streamed, from the client's side) and prefilled
 tokens (prompt minus cached, from each server's usage). Then, in-process on the real
@@ -52,12 +53,13 @@ MLX_LM_WRAPPER = """
 import sys
 import lmsp_mlx  # routes MLX's float32 matmuls to OpenBLAS before mlx.core loads
 import mlx_lm.server as server
-from lmsp_mlx.engine import cpu_math
+from lmsp_mlx.engine import cpu_decode, cpu_math
 
 original = server.load
 def load(*args, **kwargs):
     result = original(*args, **kwargs)
     cpu_math.install(result[0])  # the fused prefill kernels lmsp-mlx uses on the CPU
+    cpu_decode.install(result[0])  # and its compiled decode step
     return result
 server.load = load
 sys.argv = ["mlx_lm.server", *sys.argv[1:]]

@@ -82,3 +82,21 @@ def forwarded_calls() -> tuple[int, int]:
     if _shim is None:
         return (0, 0)
     return (_shim.lmsp_blas_calls(0), _shim.lmsp_blas_calls(1))
+
+
+_decode: ctypes.CDLL | None = None
+
+
+def decode_kernel() -> ctypes.CDLL | None:
+    """The compiled decode step (`decode.c`, OpenMP), or None where it was not built
+    (Linux only; a compiler without OpenMP skips it). ctypes releases the GIL while it runs."""
+    global _decode
+    if _decode is None and sys.platform.startswith("linux"):
+        spec = importlib.util.find_spec("lmsp_mlx.cpu_blas._decode")
+        if spec is None or spec.origin is None:
+            return None
+        lib = ctypes.CDLL(spec.origin)
+        lib.lmsp_decode_step.argtypes = [ctypes.c_void_p, ctypes.c_int32, ctypes.c_int32] + [ctypes.c_void_p] * 4
+        lib.lmsp_decode_step.restype = None
+        _decode = lib
+    return _decode

@@ -13,27 +13,19 @@
  *   stay in cache between the passes.
  * - SwiGLU is one pass: silu(gate) * up.
  *
- * exp is e^x = 2^n e^r with n = round(x / ln 2), r reduced exactly (Cody-Waite) and e^r a
- * degree-7 polynomial: relative error below 5e-7. Inputs are clamped to [-87.3, 88.3] so
- * results stay normal floats (denormals are slow in the BLAS that follows).
- * Without AVX2+FMA (checked at run time) a scalar expf loop is used.
+ * The AVX2 exp is simd.h's. Without AVX2+FMA (checked at run time) a scalar expf loop is used.
  */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
-#if defined(__x86_64__)
-#include <immintrin.h>
-#endif
+#include "simd.h"
 
 enum { RowMajor = 101, NoTrans = 111, Trans = 112 };
 typedef void (*sgemm_fn)(int, int, int, int64_t, int64_t, int64_t, float, const float *, int64_t,
                          const float *, int64_t, float, float *, int64_t);
 extern sgemm_fn lmsp_real_sgemm; /* shim.c: numpy's OpenBLAS */
-
-#define EXP_LO (-87.3f)
-#define EXP_HI (88.3f)
 
 /* out[i] = exp(x[i] - shift) over n values; returns their sum. */
 static float exp_sum_scalar(const float *x, float *out, int64_t n, float shift) {
@@ -54,23 +46,6 @@ static void swiglu_scalar(const float *gate, const float *up, float *out, int64_
 }
 
 #if defined(__x86_64__)
-__attribute__((target("avx2,fma"))) static inline __m256 exp8(__m256 x) {
-    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(EXP_LO)), _mm256_set1_ps(EXP_HI));
-    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.4426950408889634f)),
-                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145751953125f), x);
-    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.428606765330187e-06f), r);
-    __m256 p = _mm256_set1_ps(1.0f / 5040);
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 720));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
-    __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-    return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
-}
 
 __attribute__((target("avx2,fma"))) static float exp_sum_avx2(const float *x, float *out, int64_t n,
                                                               float shift) {

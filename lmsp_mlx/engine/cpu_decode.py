@@ -1,0 +1,177 @@
+"""Decode steps of llama-family float32 models in one compiled call, on MLX's CPU backend.
+
+A decode step through MLX is a few hundred small dispatches around one-row products; on
+the Linux CPU build that left decode at a third of the memory-bandwidth bound. The
+shim's `lmsp_decode_step` (cpu_blas/decode.c) runs the whole step, the output head
+included, reading MLX's weight arrays and writing the new position's K/V straight into the
+layers' mlx-lm `KVCache` buffers, whose offsets are then advanced as `update_and_fetch`
+would.
+
+`install(model)` gives the model a `__call__` that takes this path for a one-token input
+against plain `KVCache`s with room for the token, and MLX's otherwise: prefill, a cache
+about to grow (MLX grows it, the next steps are fast again), sliding-window or quantized
+caches. Models it does not recognise (not llama/qwen2 layouts, quantized or half
+weights, rope scaling other than plain) are left alone. `LMSP_CPU_DECODE=0` turns it off.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+from mlx_lm.models.cache import KVCache
+
+from .. import cpu_blas
+from .cpu_math import FusedRoPE, _rope_tables
+
+log = logging.getLogger("lmsp_mlx.engine")
+
+P = ctypes.POINTER(ctypes.c_float)
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [(name, P) for name in (
+        "attn_norm", "wq", "wk", "wv", "wo", "mlp_norm", "wgate", "wup", "wdown", "bq", "bk", "bv", "keys", "values")]
+
+
+class _Model(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_int32) for name in (
+        "n_layers", "dim", "n_heads", "n_kv_heads", "head_dim", "hidden", "vocab", "capacity", "rope_dims")] + [
+        ("eps", ctypes.c_float), ("scale", ctypes.c_float), ("embed", P), ("final_norm", P), ("head", P),
+        ("layers", ctypes.POINTER(_Layer))]
+
+
+def _ptr(a: np.ndarray | None):
+    return ctypes.cast(a.ctypes.data, P) if a is not None else None
+
+
+def _view(a: mx.array) -> np.ndarray | None:
+    """A zero-copy view of an evaluated float32 MLX array, if it is contiguous."""
+    if a.dtype != mx.float32:
+        return None
+    view = np.asarray(a)
+    return view if view.flags["C_CONTIGUOUS"] else None
+
+
+class DecodeStep:
+    """The compiled step bound to one model's weights."""
+
+    def __init__(self, lib, model: nn.Module, body: nn.Module, rope: nn.RoPE) -> None:
+        self.lib = lib
+        first = body.layers[0]
+        attn = first.self_attn
+        self.views: list[np.ndarray] = []  # keeps the weight views (and so their pointers) alive
+
+        def weight(a: mx.array | None) -> np.ndarray | None:
+            if a is None:
+                return None
+            view = _view(a)
+            if view is None:
+                raise ValueError("a weight is not a contiguous float32 array")
+            self.views.append(view)
+            return view
+
+        layers = (_Layer * len(body.layers))()
+        for layer, spec in zip(body.layers, layers):
+            a, mlp = layer.self_attn, layer.mlp
+            for name, arr in (
+                ("attn_norm", layer.input_layernorm.weight), ("wq", a.q_proj.weight), ("wk", a.k_proj.weight),
+                ("wv", a.v_proj.weight), ("wo", a.o_proj.weight), ("mlp_norm", layer.post_attention_layernorm.weight),
+                ("wgate", mlp.gate_proj.weight), ("wup", mlp.up_proj.weight), ("wdown", mlp.down_proj.weight),
+                ("bq", a.q_proj.get("bias")), ("bk", a.k_proj.get("bias")), ("bv", a.v_proj.get("bias")),
+            ):
+                setattr(spec, name, _ptr(weight(arr)))
+        self.layers = layers
+        tied = getattr(model, "lm_head", None) is None
+        embed = weight(body.embed_tokens.weight)
+        head = embed if tied else weight(model.lm_head.weight)
+        self.spec = _Model(
+            n_layers=len(body.layers), dim=embed.shape[1], n_heads=attn.n_heads, n_kv_heads=attn.n_kv_heads,
+            head_dim=first.self_attn.q_proj.weight.shape[0] // attn.n_heads, hidden=first.mlp.gate_proj.weight.shape[0],
+            vocab=head.shape[0], capacity=0, rope_dims=rope.dims, eps=first.input_layernorm.eps, scale=attn.scale,
+            embed=_ptr(embed), final_norm=_ptr(weight(body.norm.weight)), head=_ptr(head), layers=layers,
+        )
+        self.rope = (float(rope.base), float(rope.scale))
+        self.logits = np.empty(self.spec.vocab, np.float32)
+        self.scratch = np.empty(0, np.float32)
+
+    def __call__(self, token: int, cache: list) -> mx.array | None:
+        """Logits (1, 1, vocab) for `token`, its K/V written into `cache`; None where this
+        step must go through MLX."""
+        spec = self.spec
+        pos = cache[0].offset
+        capacity = None
+        for c, layer in zip(cache, self.layers):
+            if type(c) is not KVCache or c.keys is None or c.offset != pos or pos + 1 > c.keys.shape[2]:
+                return None
+            keys, values = _view(c.keys), _view(c.values)
+            if keys is None or values is None or keys.shape[0] != 1 or keys.shape[1] != spec.n_kv_heads:
+                return None
+            if capacity not in (None, keys.shape[2]) or values.shape != keys.shape:
+                return None
+            capacity = keys.shape[2]
+            layer.keys, layer.values = _ptr(keys), _ptr(values)
+        spec.capacity = capacity
+        need = 2 * spec.dim + (2 * spec.n_heads + 2 * spec.n_kv_heads) * spec.head_dim + 2 * spec.hidden \
+            + spec.n_heads * (pos + 1)
+        if self.scratch.size < need:
+            self.scratch = np.empty(max(need, 2 * self.scratch.size), np.float32)
+        cos, sin = _rope_tables(pos, 1, spec.rope_dims, *self.rope)
+        self.lib.lmsp_decode_step(ctypes.byref(spec), token, pos, cos.ctypes.data, sin.ctypes.data,
+                                  self.logits.ctypes.data, self.scratch.ctypes.data)
+        for c in cache:
+            c.offset += 1
+        return mx.array(self.logits)[None, None]
+
+
+def _supported(model: nn.Module) -> tuple[nn.Module, nn.RoPE] | None:
+    body = getattr(model, "model", None)
+    if getattr(model, "model_type", None) not in ("llama", "qwen2") or not isinstance(body, nn.Module):
+        return None
+    if any(t != "full_attention" for t in getattr(getattr(model, "args", None), "layer_types", None) or ()):
+        return None  # sliding-window layers
+    layers = getattr(body, "layers", [])
+    if not layers:
+        return None
+    rope = layers[0].self_attn.rope
+    rope = rope.rope if isinstance(rope, FusedRoPE) else rope
+    if type(rope) is not nn.RoPE or rope.traditional:
+        return None
+    for layer in layers:
+        a, mlp = layer.self_attn, layer.mlp
+        linears = [a.q_proj, a.k_proj, a.v_proj, a.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj]
+        if any(type(m) is not nn.Linear for m in linears) or any("bias" in m for m in linears[3:]):
+            return None
+        if type(layer.input_layernorm) is not nn.RMSNorm or type(layer.post_attention_layernorm) is not nn.RMSNorm:
+            return None
+    return body, rope
+
+
+def install(model: nn.Module) -> bool:
+    """Route the model's one-token steps to the compiled decode step, where it applies."""
+    lib = cpu_blas.decode_kernel()
+    if lib is None or os.environ.get("LMSP_CPU_DECODE", "1") == "0":
+        return False
+    found = _supported(model)
+    if found is None:
+        return False
+    try:
+        step = DecodeStep(lib, model, *found)
+    except (ValueError, AttributeError) as exc:
+        log.info("compiled decode step not used: %s", exc)
+        return False
+    base = type(model)
+
+    def __call__(self, inputs, cache=None, input_embeddings=None):
+        if cache is not None and input_embeddings is None and inputs.shape == (1, 1):
+            logits = step(int(inputs.item()), cache)
+            if logits is not None:
+                return logits
+        return base.__call__(self, inputs, cache=cache, input_embeddings=input_embeddings)
+
+    model.__class__ = type(base.__name__, (base,), {"__call__": __call__, "decode_step": step})
+    return True
