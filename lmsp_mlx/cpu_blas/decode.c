@@ -83,22 +83,39 @@ __attribute__((target("avx2,fma"))) static void rows_avx2(const float *w, const 
     rows_scalar(w, x, y, r, r1, n, add);
 }
 
-/* attend() for head_dim a multiple of 8. */
+/* attend() for head_dim a multiple of 8: scores four positions at a time (independent
+ * sums, so the FMA latency is hidden), and the weighted sum one pass over V in row order
+ * with up to 16 column accumulators (a column-at-a-time pass re-read V eight times). */
 __attribute__((target("avx2,fma"))) static void attend_avx2(const float *q, const float *keys, const float *values,
                                                             float *scores, float *out, int64_t n, int64_t d,
                                                             float scale) {
     float top = -INFINITY;
-    for (int64_t t = 0; t < n; t++) {
+    int64_t t = 0;
+    for (; t + 4 <= n; t += 4) {
+        const float *k0 = keys + t * d, *k1 = k0 + d, *k2 = k1 + d, *k3 = k2 + d;
+        __m256 s0 = _mm256_setzero_ps(), s1 = s0, s2 = s0, s3 = s0;
+        for (int64_t i = 0; i < d; i += 8) {
+            __m256 qv = _mm256_loadu_ps(q + i);
+            s0 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + i), s0);
+            s1 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k1 + i), s1);
+            s2 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k2 + i), s2);
+            s3 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k3 + i), s3);
+        }
+        float v[4] = {hsum8(s0) * scale, hsum8(s1) * scale, hsum8(s2) * scale, hsum8(s3) * scale};
+        for (int j = 0; j < 4; j++) {
+            scores[t + j] = v[j];
+            top = v[j] > top ? v[j] : top;
+        }
+    }
+    for (; t < n; t++) {
         const float *k = keys + t * d;
         __m256 s = _mm256_setzero_ps();
         for (int64_t i = 0; i < d; i += 8) s = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), _mm256_loadu_ps(k + i), s);
-        float v = hsum8(s) * scale;
-        scores[t] = v;
-        top = v > top ? v : top;
+        scores[t] = hsum8(s) * scale;
+        top = scores[t] > top ? scores[t] : top;
     }
     __m256 shift = _mm256_set1_ps(top), acc8 = _mm256_setzero_ps();
-    int64_t t = 0;
-    for (; t + 8 <= n; t += 8) {
+    for (t = 0; t + 8 <= n; t += 8) {
         __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(scores + t), shift));
         _mm256_storeu_ps(scores + t, e);
         acc8 = _mm256_add_ps(acc8, e);
@@ -108,11 +125,17 @@ __attribute__((target("avx2,fma"))) static void attend_avx2(const float *q, cons
         scores[t] = expf(scores[t] - top);
         sum += scores[t];
     }
-    for (int64_t i = 0; i < d; i += 8) {
-        __m256 acc = _mm256_setzero_ps();
-        for (int64_t t = 0; t < n; t++)
-            acc = _mm256_fmadd_ps(_mm256_set1_ps(scores[t]), _mm256_loadu_ps(values + t * d + i), acc);
-        _mm256_storeu_ps(out + i, _mm256_mul_ps(acc, _mm256_set1_ps(1.0f / sum)));
+    __m256 inv = _mm256_set1_ps(1.0f / sum);
+    for (int64_t c0 = 0; c0 < d; c0 += 128) {
+        int64_t w = (d - c0 < 128 ? d - c0 : 128) / 8;
+        __m256 acc[16];
+        for (int64_t j = 0; j < w; j++) acc[j] = _mm256_setzero_ps();
+        for (t = 0; t < n; t++) {
+            __m256 p = _mm256_set1_ps(scores[t]);
+            const float *v = values + t * d + c0;
+            for (int64_t j = 0; j < w; j++) acc[j] = _mm256_fmadd_ps(p, _mm256_loadu_ps(v + 8 * j), acc[j]);
+        }
+        for (int64_t j = 0; j < w; j++) _mm256_storeu_ps(out + c0 + 8 * j, _mm256_mul_ps(acc[j], inv));
     }
 }
 

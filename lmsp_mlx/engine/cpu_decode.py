@@ -121,6 +121,7 @@ class DecodeStep:
         if self.scratch.size < need:
             self.scratch = np.empty(max(need, 2 * self.scratch.size), np.float32)
         cos, sin = _rope_tables(pos, 1, spec.rope_dims, *self.rope)
+        cpu_blas.park_blas_threads()
         self.lib.lmsp_decode_step(ctypes.byref(spec), token, pos, cos.ctypes.data, sin.ctypes.data,
                                   self.logits.ctypes.data, self.scratch.ctypes.data)
         for c in cache:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import threading
 import time
 from collections import OrderedDict
 from typing import Any
@@ -43,23 +44,26 @@ SUMMARY_PREFIX = "Summary of the earlier conversation:\n"
 
 
 class Histories:
-    """Conversations this process compacted, by the hash of their text (a bounded LRU).
-    Only the event loop's thread touches it."""
+    """Conversations this process compacted, by the hash of their text (a bounded LRU),
+    shared by the request handlers' threads."""
 
     def __init__(self, capacity: int = 64) -> None:
         self._texts: OrderedDict[str, str] = OrderedDict()
+        self._lock = threading.Lock()
         self.capacity = capacity
 
     def remember(self, text: str) -> str:
         digest = key_hash(text)
-        self._texts[digest] = text
-        self._texts.move_to_end(digest)
-        while len(self._texts) > self.capacity:
-            self._texts.popitem(last=False)
+        with self._lock:
+            self._texts[digest] = text
+            self._texts.move_to_end(digest)
+            while len(self._texts) > self.capacity:
+                self._texts.popitem(last=False)
         return digest
 
     def get(self, digest: str) -> str | None:
-        return self._texts.get(digest)
+        with self._lock:
+            return self._texts.get(digest)
 
 
 def setup_digest(req: ResponsesRequest) -> str:

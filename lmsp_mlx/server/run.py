@@ -100,8 +100,8 @@ class ResponseRun:
         open_reasoning(items, self.sealer, offset=len(self.history))  # the same item objects `prepare` sees
         if self.compact and not items:
             raise Problem("invalid_request", "there is no conversation to compact: input is empty", param="input")
-        items, head = compaction.expand(items, self.req, self.sealer, self.histories,
-                                        self.engine.pool.disk, lm.tokenizer, offset=len(self.history))
+        items, head = await asyncio.to_thread(compaction.expand, items, self.req, self.sealer, self.histories,
+                                              self.engine.pool.disk, lm.tokenizer, len(self.history))
         full = self.req.model_copy(update={"input": items})
         conv, spec = prepare(full, self.route, lm.tokenizer, self.engine.calls, "reasoning" in lm.capabilities, head)
         if self.compact:
