@@ -58,6 +58,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="checkpoint after prefilling at least this many new tokens (default 512)")
     kv.add_argument("--kv-checkpoint-every", type=int, default=2048,
                     help="checkpoint again once a session grew by this many tokens (default 2048)")
+    kv.add_argument("--kv-bits", type=int, choices=(4, 8),
+                    help="keep the KV cache quantized to this many bits (mlx-lm's QuantizedKVCache; default: "
+                         "the model's float dtype)")
+    kv.add_argument("--kv-group-size", type=int, choices=(32, 64, 128), default=64,
+                    help="quantization group of --kv-bits (default 64)")
     args = p.parse_args(argv)
     for name in ("ctx", "max_queue", "prefill_chunk", "max_body_mb", "kv_memory_mb", "kv_disk_space_mb",
                  "kv_checkpoint_min_tokens", "kv_checkpoint_every"):
@@ -125,6 +130,8 @@ def _cache_settings(args: argparse.Namespace) -> CacheSettings:
         memory_bytes=int(args.kv_memory_mb * 2**20),
         checkpoint_min_tokens=args.kv_checkpoint_min_tokens,
         checkpoint_every=args.kv_checkpoint_every,
+        kv_bits=args.kv_bits,
+        kv_group_size=args.kv_group_size,
     )
     disk = None if args.no_kv_disk else (args.kv_disk_dir or Path(user_cache_dir("lmsp-mlx")) / "kv")
     return CacheSettings(policy=policy, disk_dir=disk, disk_bytes=int(args.kv_disk_space_mb * 2**20))

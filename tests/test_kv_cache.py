@@ -194,3 +194,40 @@ def test_no_kv_disk_writes_nothing(start_server, tiny_model_dir, tmp_path):
     respond(server, [user("Nothing of this goes to disk.")])
     server.stop()
     assert "kv checkpoint" not in server.log() and "kv disk" not in server.log()
+
+
+def test_a_quantized_kv_cache_is_reused_checkpointed_and_kept_apart(start_server, tmp_path):
+    from tiny_model import build_tiny_model
+
+    wide = build_tiny_model(tmp_path / "wide", head_dim=64)  # quantization groups need 32 or more
+    kv = ["--model", str(wide), "--model-id", "tiny", "--kv-disk-dir", str(tmp_path / "kv")]
+    history = [user("Describe the harbour at dawn, the boats and the nets. " * 6)]
+    quantized = start_server(*kv, "--kv-bits", "8")
+    model = httpx.get(quantized.url + "/lmsp/v1/models/tiny").json()
+    assert model["kv_cache"] == "8-bit, group 64"
+    first = respond(quantized, history)
+    again = respond(quantized, history)  # the same request from its own (quantized) KV
+    assert reply_text(again) == reply_text(first) and cached(again) > 0
+    follow = history + [assistant(reply_text(first)), user("And at dusk?")]
+    live = respond(quantized, follow)
+    assert cached(live) == kv_after(first)
+    quantized.stop()
+    assert "kv checkpoint reason=shutdown" in quantized.log()
+    # A float-KV server on the same folder does not see the quantized checkpoints ...
+    plain = start_server(*kv)
+    assert respond(plain, follow)["usage"]["input_tokens_details"]["cached_tokens"] == 0
+    plain.stop()
+    # ... and a quantized one resumes from them, with the same reply as before the restart.
+    back = start_server(*kv, "--kv-bits", "8")
+    resumed = respond(back, follow)
+    assert sources(back) == ["disk"] and reply_text(resumed) == reply_text(live)
+
+
+def test_a_kv_quantization_the_model_cannot_take_is_refused_at_start(tiny_model_dir, tmp_path):
+    import subprocess
+
+    r = subprocess.run([sys.executable, "-m", "lmsp_mlx.serve", "--model", str(tiny_model_dir), "--kv-bits", "4",
+                        "--store", str(tmp_path / "s.sqlite3"), "--no-kv-disk", "--state-key-file", str(tmp_path / "k")],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0 and "--kv-bits 4 with --kv-group-size 64 does not fit" in r.stderr
+    assert "Traceback" not in r.stderr

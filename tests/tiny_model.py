@@ -90,11 +90,14 @@ def _config(vocab_size: int, context: int) -> dict:
     }
 
 
-def build_tiny_model(out: Path, *, seed: int = 7, context: int = 32768) -> Path:
+def build_tiny_model(out: Path, *, seed: int = 7, context: int = 32768, head_dim: int | None = None) -> Path:
+    """`head_dim`: wider heads than the default 16 (a quantized KV cache needs 32 or more)."""
     from mlx_lm.models import llama
 
     out.mkdir(parents=True, exist_ok=True)
     config = _config(write_tokenizer(out), context)
+    if head_dim:
+        config["head_dim"] = head_dim
     mx.random.seed(seed)
     model = llama.Model(llama.ModelArgs.from_dict(config))
     # Large output weights make the random logits decisive, so greedy decoding is stable.

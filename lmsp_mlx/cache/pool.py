@@ -5,8 +5,9 @@ must be trimmed gives way to a text prefix or a checkpoint that reuses more toke
 
 1. `visible`: a session's binding key (the visible transcript of its last turn) is a prefix
    of the request's rendered text (as a visible-only replay renders it, where the request
-   revealed sealed hidden reasoning: server/sealing.py). The KV, with any hidden reasoning the client did not
-   replay, is continued; only the binding's tail and the new text are prefilled.
+   revealed sealed hidden reasoning: server/sealing.py). The KV, with any hidden reasoning
+   the client did not replay, is continued; only the binding's tail and the new text are
+   prefilled.
 2. `token`: a session's tokens are a prefix of the request's tokens (exact), or share a
    common prefix with them (the prefix is copied, the session stays for its own client).
 3. `text`: a session's text (or its last prompt's text) is a prefix of the request's text.
@@ -27,7 +28,7 @@ import logging
 import time
 from dataclasses import dataclass
 
-from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.models.cache import KVCache, QuantizedKVCache, make_prompt_cache
 
 from .disk import CheckpointStore
 from .session import Binding, Session
@@ -42,6 +43,8 @@ class Policy:
     checkpoint_every: int = 2048  # ... or once the context grew this much since the last one
     checkpoint_on_evict: bool = True
     checkpoint_on_shutdown: bool = True
+    kv_bits: int | None = None  # quantized KV (QuantizedKVCache) for models whose layers all use KVCache
+    kv_group_size: int = 64
 
 
 @dataclass
@@ -72,6 +75,15 @@ class SessionPool:
         self.policy = policy
         self.disk = disk
         self.sessions: list[Session] = []
+
+    def new_cache(self) -> list:
+        """Empty per-layer caches: the model's own, quantized under --kv-bits where every
+        layer is a plain KVCache (sliding-window and recurrent layers stay as they are)."""
+        cache = make_prompt_cache(self.model)
+        bits = self.policy.kv_bits
+        if bits and all(type(c) is KVCache for c in cache):
+            return [QuantizedKVCache(group_size=self.policy.kv_group_size, bits=bits) for _ in cache]
+        return cache
 
     def _encode(self, text: str) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=False))
@@ -140,13 +152,13 @@ class SessionPool:
                     tail = session.binding.tail if session.binding is not None else ""
                     full = session.tokens + self._encode(tail + matched[entry.key_chars:])
                     if len(full) <= limit:
-                        visible = session.binding is not None
+                        keyed = session.binding is not None  # a visible-kind checkpoint
                         return Start(session, "disk", len(session.tokens), full,
-                                     key_chars=entry.key_chars if visible else 0, tail=tail)
+                                     key_chars=entry.key_chars if keyed else 0, tail=tail)
 
         if best is not None:
             return self._take(best)
-        return Start(Session(cache=make_prompt_cache(self.model)), "cold", 0, tokens)
+        return Start(Session(cache=self.new_cache()), "cold", 0, tokens)
 
     def _take(self, start: Start) -> Start:
         """Cut the chosen session to the reused prefix: in place when the whole session is
@@ -156,7 +168,7 @@ class SessionPool:
             return start
         branch = s.prefix(start.cached)
         if branch is None:  # cannot be trimmed and no snapshot early enough
-            return Start(Session(cache=make_prompt_cache(self.model)), "cold", 0, start.tokens)
+            return Start(Session(cache=self.new_cache()), "cold", 0, start.tokens)
         # A snapshot may sit before the common prefix; start.tokens begins with its tokens.
         return Start(branch, start.source, len(branch.tokens), start.tokens)
 

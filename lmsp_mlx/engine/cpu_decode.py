@@ -2,8 +2,8 @@
 
 A decode step through MLX is a few hundred small dispatches around one-row products; on
 the Linux CPU build that left decode at a third of the memory-bandwidth bound. The
-shim's `lmsp_decode_step` (cpu_blas/decode.c) runs the whole step, the output head
-included, reading MLX's weight arrays and writing the new position's K/V straight into the
+compiled `lmsp_decode_step` (cpu_blas/decode.c, its own extension) runs the whole step, the
+output head included, reading MLX's weight arrays and writing the new position's K/V straight into the
 layers' mlx-lm `KVCache` buffers, whose offsets are then advanced as `update_and_fetch`
 would.
 

@@ -38,6 +38,7 @@ class LoadedModel:
     capabilities: tuple[str, ...] = CAPABILITIES
     eos_token_ids: frozenset[int] = field(default_factory=frozenset)
     fingerprint: str = ""  # what KV checkpoints are tied to: weights, config, runtime dtype
+    kv_cache: str = "float"  # or "<bits>-bit, group <n>" under --kv-bits
 
     def describe(self) -> dict[str, Any]:
         doc = {
@@ -47,6 +48,7 @@ class LoadedModel:
             "capabilities": list(self.capabilities),
             "quantization": self.quantization,
             "backend": self.backend,
+            "kv_cache": self.kv_cache,
         }
         if self.backend == "cpu":
             from ..cpu_blas import status

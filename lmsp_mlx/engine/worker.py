@@ -10,11 +10,14 @@ the resident sessions.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import queue
 import threading
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+
+import mlx.core as mx
 
 from ..cache.calls import CallMemory
 from ..cache.disk import CheckpointStore
@@ -22,7 +25,7 @@ from ..cache.pool import Policy, SessionPool
 from ..protocol.problems import Problem
 from .events import Failed, Finished, GenerationEvent, TextDelta, Usage
 from .generate import Cancelled, GenerationParams, generate
-from .loader import LoadedModel, load_model
+from .loader import LoadedModel, ModelLoadError, load_model
 from .turn import Conversation, TurnOutput
 
 log = logging.getLogger("lmsp_mlx.engine")
@@ -171,13 +174,24 @@ class Engine:
 
     def _make_pool(self, lm: LoadedModel) -> SessionPool:
         cs = self._cache_settings
+        fingerprint = lm.fingerprint
+        if cs.policy.kv_bits:  # checkpoints of quantized KV belong to their own folder
+            lm.kv_cache = f"{cs.policy.kv_bits}-bit, group {cs.policy.kv_group_size}"
+            fingerprint = hashlib.sha256(f"{fingerprint}:kv:{lm.kv_cache}".encode()).hexdigest()
         disk = None
         if cs.disk_dir is not None:
             try:
-                disk = CheckpointStore(cs.disk_dir, lm.fingerprint, cs.disk_bytes, calls=self.calls)
+                disk = CheckpointStore(cs.disk_dir, fingerprint, cs.disk_bytes, calls=self.calls)
             except OSError as exc:
                 log.warning("kv disk %s unusable (%s): checkpoints are off", cs.disk_dir, exc)
-        return SessionPool(lm.model, lm.tokenizer, cs.policy, disk)
+        pool = SessionPool(lm.model, lm.tokenizer, cs.policy, disk)
+        if cs.policy.kv_bits:  # a quantized cache the model cannot use is a start-up error, not a 500 later
+            try:
+                mx.eval(lm.model(mx.array([[0]]), cache=pool.new_cache()))
+            except ValueError as exc:
+                raise ModelLoadError(f"--kv-bits {cs.policy.kv_bits} with --kv-group-size {cs.policy.kv_group_size} "
+                                     f"does not fit {lm.id}: {exc}") from None
+        return pool
 
     def _run_job(self, job: Job) -> None:
         lm, pool = self.model, self.pool
