@@ -139,13 +139,7 @@ __attribute__((target("avx2,fma"))) static void attend_avx2(const float *q, cons
     }
 }
 
-static int has_avx2(void) {
-    static int cached = -1;
-    if (cached < 0) cached = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-    return cached;
-}
 #else
-static int has_avx2(void) { return 0; }
 #define rows_avx2 rows_scalar
 #define attend_avx2 attend
 #endif

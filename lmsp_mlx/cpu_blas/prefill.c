@@ -86,13 +86,7 @@ __attribute__((target("avx2,fma"))) static void swiglu_avx2(const float *gate, c
     swiglu_scalar(gate + i, up + i, out + i, n - i);
 }
 
-static int has_avx2(void) {
-    static int cached = -1;
-    if (cached < 0) cached = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-    return cached;
-}
 #else
-static int has_avx2(void) { return 0; }
 #define exp_sum_avx2 exp_sum_scalar
 #define max_avx2 max_scalar
 #define swiglu_avx2 swiglu_scalar

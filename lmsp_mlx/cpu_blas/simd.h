@@ -40,6 +40,15 @@ __attribute__((target("avx2,fma"))) static inline float hsum8(__m256 v) {
     s = _mm_add_ss(s, _mm_movehdup_ps(s));
     return _mm_cvtss_f32(s);
 }
+
+/* AVX2 and FMA, checked once at run time (the scalar paths serve everything else). */
+static inline int has_avx2(void) {
+    static int cached = -1;
+    if (cached < 0) cached = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+    return cached;
+}
+#else
+static inline int has_avx2(void) { return 0; }
 #endif
 
 #endif
