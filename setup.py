@@ -13,8 +13,8 @@ if sys.platform.startswith("linux"):
     ext_modules.append(
         Extension(
             "lmsp_mlx.cpu_blas._shim",
-            sources=["lmsp_mlx/cpu_blas/shim.c", "lmsp_mlx/cpu_blas/prefill.c"],
-            depends=["lmsp_mlx/cpu_blas/simd.h"],
+            sources=["lmsp_mlx/cpu_blas/shim.c", "lmsp_mlx/cpu_blas/prefill.c", "lmsp_mlx/cpu_blas/forward.c"],
+            depends=["lmsp_mlx/cpu_blas/simd.h", "lmsp_mlx/cpu_blas/blas.h", "lmsp_mlx/cpu_blas/model.h"],
             extra_compile_args=["-O3"],
             libraries=["dl", "m"],
             optional=True,
@@ -26,7 +26,7 @@ if sys.platform.startswith("linux"):
         Extension(
             "lmsp_mlx.cpu_blas._decode",
             sources=["lmsp_mlx/cpu_blas/decode.c"],
-            depends=["lmsp_mlx/cpu_blas/simd.h"],
+            depends=["lmsp_mlx/cpu_blas/simd.h", "lmsp_mlx/cpu_blas/model.h"],
             extra_compile_args=["-O3", "-fopenmp"],
             extra_link_args=["-fopenmp"],
             libraries=["m"],

@@ -20,23 +20,12 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "model.h"
 #include "simd.h"
 #ifdef _OPENMP
 #include <omp.h>
 #endif
 
-typedef struct {
-    const float *attn_norm, *wq, *wk, *wv, *wo, *mlp_norm, *wgate, *wup, *wdown;
-    const float *bq, *bk, *bv; /* NULL where the model has no bias (llama); Qwen2 has these */
-    float *keys, *values;
-} lmsp_layer;
-
-typedef struct {
-    int32_t n_layers, dim, n_heads, n_kv_heads, head_dim, hidden, vocab, capacity, rope_dims;
-    float eps, scale;
-    const float *embed, *final_norm, *head;
-    lmsp_layer *layers;
-} lmsp_model;
 
 static void attend(const float *q, const float *keys, const float *values, float *scores, float *out, int64_t n,
                    int64_t d, float scale);
@@ -161,24 +150,7 @@ static void gemv_part(const float *w, const float *x, float *y, int64_t m, int64
         rows_scalar(w, x, y, r0, r1, n, add);
 }
 
-static void rms_norm(const float *x, const float *w, float *out, int64_t n, float eps) {
-    float ss = 0.0f;
-    for (int64_t i = 0; i < n; i++) ss += x[i] * x[i];
-    float inv = 1.0f / sqrtf(ss / (float)n + eps);
-    for (int64_t i = 0; i < n; i++) out[i] = x[i] * inv * w[i];
-}
 
-static void rope(float *v, int64_t heads, int64_t head_dim, int64_t dims, const float *cos, const float *sin) {
-    int64_t half = dims / 2;
-    for (int64_t h = 0; h < heads; h++) {
-        float *x = v + h * head_dim;
-        for (int64_t i = 0; i < half; i++) {
-            float a = x[i], b = x[i + half];
-            x[i] = a * cos[i] - b * sin[i];
-            x[i + half] = b * cos[i] + a * sin[i];
-        }
-    }
-}
 
 /* One query head against positions 0..n-1 of its KV head: scores, softmax, weighted sum. */
 static void attend(const float *q, const float *keys, const float *values, float *scores, float *out, int64_t n,
@@ -205,10 +177,6 @@ static void attend(const float *q, const float *keys, const float *values, float
     }
 }
 
-static void add_bias(float *y, const float *b, int64_t n) {
-    if (b)
-        for (int64_t i = 0; i < n; i++) y[i] += b[i];
-}
 
 /*
  * Logits for `token` at position `pos` (the cache holds positions 0..pos-1; K/V of `pos`
@@ -237,8 +205,8 @@ void lmsp_decode_step(const lmsp_model *m, int32_t token, int32_t pos, const flo
                 add_bias(q, ly->bq, nh * hd);
                 add_bias(k, ly->bk, nkv * hd);
                 add_bias(v, ly->bv, nkv * hd);
-                rope(q, nh, hd, m->rope_dims, cos, sin);
-                rope(k, nkv, hd, m->rope_dims, cos, sin);
+                for (int64_t j = 0; j < nh; j++) rope_head(q + j * hd, m->rope_dims, cos, sin);
+                for (int64_t j = 0; j < nkv; j++) rope_head(k + j * hd, m->rope_dims, cos, sin);
                 for (int64_t j = 0; j < nkv; j++) {
                     memcpy(ly->keys + (j * cap + pos) * hd, k + j * hd, (size_t)hd * sizeof(float));
                     memcpy(ly->values + (j * cap + pos) * hd, v + j * hd, (size_t)hd * sizeof(float));

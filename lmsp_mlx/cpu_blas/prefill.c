@@ -20,12 +20,9 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "blas.h"
 #include "simd.h"
 
-enum { RowMajor = 101, NoTrans = 111, Trans = 112 };
-typedef void (*sgemm_fn)(int, int, int, int64_t, int64_t, int64_t, float, const float *, int64_t,
-                         const float *, int64_t, float, float *, int64_t);
-extern sgemm_fn lmsp_real_sgemm; /* shim.c: numpy's OpenBLAS */
 
 /* out[i] = exp(x[i] - shift) over n values; returns their sum. */
 static float exp_sum_scalar(const float *x, float *out, int64_t n, float shift) {

@@ -16,14 +16,12 @@
 #include <dlfcn.h>
 #include <stdint.h>
 
-enum { RowMajor = 101, ColMajor = 102, NoTrans = 111, Trans = 112 };
+#include "blas.h"
 
-typedef void (*sgemm_fn)(int, int, int, int64_t, int64_t, int64_t, float, const float *, int64_t,
-                         const float *, int64_t, float, float *, int64_t);
 typedef void (*sgemv_fn)(int, int, int64_t, int64_t, float, const float *, int64_t, const float *,
                          int64_t, float, float *, int64_t);
 
-sgemm_fn lmsp_real_sgemm; /* also used by prefill.c */
+sgemm_fn lmsp_real_sgemm; /* also used by prefill.c and forward.c */
 static sgemv_fn real_sgemv;
 static long long forwarded_gemm, forwarded_gemv;
 
