@@ -53,12 +53,13 @@ MLX_LM_WRAPPER = """
 import sys
 import lmsp_mlx  # routes MLX's float32 matmuls to OpenBLAS before mlx.core loads
 import mlx_lm.server as server
-from lmsp_mlx.engine import cpu_decode, cpu_math
+from lmsp_mlx.engine import cpu_decode, cpu_math, cpu_prefill
 
 original = server.load
 def load(*args, **kwargs):
     result = original(*args, **kwargs)
     cpu_math.install(result[0])  # the fused prefill kernels lmsp-mlx uses on the CPU
+    cpu_prefill.install(result[0])  # its compiled prefill
     cpu_decode.install(result[0])  # and its compiled decode step
     return result
 server.load = load

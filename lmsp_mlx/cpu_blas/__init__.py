@@ -64,6 +64,9 @@ def accelerate() -> str:
     _shim.lmsp_swiglu.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64]
     _shim.lmsp_causal_attention.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 4 + [ctypes.c_float]
     _shim.lmsp_rope.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 8 + [ctypes.c_void_p] * 2
+    _shim.lmsp_prefill_scratch.argtypes = [ctypes.c_void_p, ctypes.c_int64]
+    _shim.lmsp_prefill_scratch.restype = ctypes.c_int64
+    _shim.lmsp_prefill.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64] + [ctypes.c_void_p] * 4
     _status = f"{_openblas_config(openblas)} (numpy's), sgemv for one-row products"
     global _openblas
     _openblas = ctypes.CDLL(str(openblas))
@@ -78,7 +81,8 @@ def status() -> str:
 
 
 def fused_kernels() -> ctypes.CDLL | None:
-    """The shim's fused prefill kernels (`prefill.c`: causal attention, SwiGLU, RoPE), or None
+    """The shim's fused prefill kernels (`prefill.c`: causal attention, SwiGLU, RoPE; `forward.c`:
+    a prompt chunk through all layers), or None
     where the shim is not installed. ctypes releases the GIL while they run."""
     return _shim
 

@@ -57,14 +57,14 @@ def _view(a: mx.array) -> np.ndarray | None:
     return view if view.flags["C_CONTIGUOUS"] else None
 
 
-class DecodeStep:
-    """The compiled step bound to one model's weights."""
+class CompiledModel:
+    """A model's weights as the compiled passes' `lmsp_model` (cpu_blas/model.h): pointers
+    into MLX's own buffers, kept alive by views held here."""
 
-    def __init__(self, lib, model: nn.Module, body: nn.Module, rope: nn.RoPE) -> None:
-        self.lib = lib
+    def __init__(self, model: nn.Module, body: nn.Module, rope: nn.RoPE) -> None:
         first = body.layers[0]
         attn = first.self_attn
-        self.views: list[np.ndarray] = []  # keeps the weight views (and so their pointers) alive
+        self.views: list[np.ndarray] = []
 
         def weight(a: mx.array | None) -> np.ndarray | None:
             if a is None:
@@ -96,31 +96,59 @@ class DecodeStep:
             embed=_ptr(embed), final_norm=_ptr(weight(body.norm.weight)), head=_ptr(head), layers=layers,
         )
         self.rope = (float(rope.base), float(rope.scale))
-        self.logits = np.empty(self.spec.vocab, np.float32)
+
+    def plain(self, cache: list) -> int | None:
+        """The common offset of `cache` if it is one plain batch-1 float32 KVCache per layer, else None."""
+        if len(cache) != len(self.layers) or any(type(c) is not KVCache for c in cache):
+            return None
+        offsets = {c.offset for c in cache}
+        if len(offsets) != 1:
+            return None
+        for c in cache:
+            if c.keys is not None and (c.keys.dtype != mx.float32 or c.keys.shape[:2] != (1, self.spec.n_kv_heads)):
+                return None
+        return offsets.pop()
+
+    def bind(self, cache: list, positions: int) -> int | None:
+        """Point the spec at the caches' buffers if they are plain KVCaches at one offset
+        with room for `positions` more; returns that offset, or None."""
+        pos = self.plain(cache)
+        if pos is None:
+            return None
+        capacity = None
+        for c, layer in zip(cache, self.layers):
+            if c.keys is None or pos + positions > c.keys.shape[2]:
+                return None
+            keys, values = _view(c.keys), _view(c.values)
+            if keys is None or values is None or values.shape != keys.shape or capacity not in (None, keys.shape[2]):
+                return None
+            capacity = keys.shape[2]
+            layer.keys, layer.values = _ptr(keys), _ptr(values)
+        self.spec.capacity = capacity
+        return pos
+
+
+class DecodeStep:
+    """The compiled step bound to one model's weights."""
+
+    def __init__(self, lib, compiled: CompiledModel) -> None:
+        self.lib = lib
+        self.compiled = compiled
+        self.logits = np.empty(compiled.spec.vocab, np.float32)
         self.scratch = np.empty(0, np.float32)
 
     def __call__(self, token: int, cache: list) -> mx.array | None:
         """Logits (1, 1, vocab) for `token`, its K/V written into `cache`; None where this
-        step must go through MLX."""
-        spec = self.spec
-        pos = cache[0].offset
-        capacity = None
-        for c, layer in zip(cache, self.layers):
-            if type(c) is not KVCache or c.keys is None or c.offset != pos or pos + 1 > c.keys.shape[2]:
-                return None
-            keys, values = _view(c.keys), _view(c.values)
-            if keys is None or values is None or keys.shape[0] != 1 or keys.shape[1] != spec.n_kv_heads:
-                return None
-            if capacity not in (None, keys.shape[2]) or values.shape != keys.shape:
-                return None
-            capacity = keys.shape[2]
-            layer.keys, layer.values = _ptr(keys), _ptr(values)
-        spec.capacity = capacity
+        step must go through MLX (MLX grows a full cache; the next steps are fast again)."""
+        pos = self.compiled.bind(cache, 1)
+        if pos is None:
+            return None
+        spec = self.compiled.spec
         need = 2 * spec.dim + (2 * spec.n_heads + 2 * spec.n_kv_heads) * spec.head_dim + 2 * spec.hidden \
             + spec.n_heads * (pos + 1)
         if self.scratch.size < need:
             self.scratch = np.empty(max(need, 2 * self.scratch.size), np.float32)
-        cos, sin = _rope_tables(pos, 1, spec.rope_dims, *self.rope)
+        cos, sin = _rope_tables(pos, 1, spec.rope_dims, *self.compiled.rope)
         cpu_blas.park_blas_threads()
         self.lib.lmsp_decode_step(ctypes.byref(spec), token, pos, cos.ctypes.data, sin.ctypes.data,
                                   self.logits.ctypes.data, self.scratch.ctypes.data)
@@ -161,7 +189,7 @@ def install(model: nn.Module) -> bool:
     if found is None:
         return False
     try:
-        step = DecodeStep(lib, model, *found)
+        step = DecodeStep(lib, CompiledModel(model, *found))
     except (ValueError, AttributeError) as exc:
         log.info("compiled decode step not used: %s", exc)
         return False

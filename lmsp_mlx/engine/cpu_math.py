@@ -15,6 +15,10 @@ mx.fast, where the copies would cost more than the tiny softmax.
 `install(model)` swaps these into the mlx-lm module that defines the model, on the CPU
 backend only; Metal and CUDA keep MLX's own kernels. Without the compiled shim, SwiGLU
 and causal attention stay MLX's own.
+
+For llama and qwen2 float32 models, batch-1 prompt chunks skip MLX altogether
+(cpu_prefill.py chains the same kernels in C); these swaps serve every other model and
+cache, and the MLX path those fall back to.
 """
 
 from __future__ import annotations

@@ -140,12 +140,14 @@ def load_model(path: Path, *, model_id: str | None = None, ctx: int | None = Non
         raise ModelLoadError(f"cannot load {path}: {type(exc).__name__}: {exc}") from None
     stored = _describe_quantization(config)
     if backend == "cpu":
-        from . import cpu_decode, cpu_math
+        from . import cpu_decode, cpu_math, cpu_prefill
 
         _to_float32(model)
         quantization = "float32" if stored.startswith("float") else f"float32 (dequantized from {stored})"
         if replaced := cpu_math.install(model):
             log.info("CPU fast math for %s: %s", path.name, ", ".join(replaced))
+        if cpu_prefill.install(model):
+            log.info("CPU prefill for %s: one compiled call per prompt chunk (cpu_blas/forward.c)", path.name)
         if cpu_decode.install(model):
             log.info("CPU decode steps for %s: one compiled call per token (cpu_blas/decode.c)", path.name)
     else:

@@ -1,0 +1,104 @@
+"""Prompt chunks of llama-family float32 models in one compiled call, on MLX's CPU backend.
+
+Through MLX, a 512-token prefill of SmolLM2 spent about 30% of its time outside the
+matmuls and the attention kernel: RMSNorms, residual adds, transposes, RoPE and the
+copies between MLX and numpy for the fused kernels, each a separate single-core pass.
+`lmsp_prefill` (cpu_blas/forward.c, in the BLAS shim) runs a chunk through every layer:
+OpenBLAS sgemms on MLX's weight buffers, prefill.c's attention and SwiGLU, and K/V
+written straight into the layers' mlx-lm `KVCache` buffers. The cache grows as
+`update_and_fetch` would grow it, and its offset advances as it would.
+
+`install(model)` gives the model's body (the `model` attribute of an mlx-lm model,
+which returns the final normalized hidden states) a `__call__` that takes this path for
+a multi-token batch-1 input against plain `KVCache`s, and MLX's otherwise. It applies to
+the models the compiled decode step takes (cpu_decode._supported). `LMSP_CPU_PREFILL=0`
+turns it off.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+
+from .. import cpu_blas
+from .cpu_decode import CompiledModel, _supported
+from .cpu_math import _rope_tables
+
+log = logging.getLogger("lmsp_mlx.engine")
+
+
+class PrefillPass:
+    """The compiled prefill bound to one model's weights."""
+
+    def __init__(self, lib, compiled: CompiledModel) -> None:
+        self.lib = lib
+        self.compiled = compiled
+        self.scratch = np.empty(0, np.float32)
+
+    def _make_room(self, cache: list, n: int) -> None:
+        """Grow each cache that lacks room for `n` more positions, exactly as mlx-lm's
+        `update_and_fetch` does (its step size and layout), without advancing it."""
+        spec = self.compiled.spec
+        for c in cache:
+            if c.keys is None or c.offset + n > c.keys.shape[2]:
+                zeros = mx.zeros((1, spec.n_kv_heads, n, spec.head_dim), mx.float32)
+                c.update_and_fetch(zeros, zeros)
+                c.offset -= n
+        mx.eval([(c.keys, c.values) for c in cache])
+
+    def __call__(self, tokens: mx.array, cache: list) -> mx.array | None:
+        """Final hidden states (1, n, dim) for `tokens` (1, n), their K/V written into
+        `cache`; None where this chunk must go through MLX."""
+        n = tokens.shape[1]
+        ids = np.ascontiguousarray(np.asarray(tokens, dtype=np.int32)[0])
+        if self.compiled.plain(cache) is None or ids.min() < 0 or ids.max() >= self.compiled.spec.vocab:
+            return None  # out-of-range ids: what MLX makes of them, never a read outside the table
+        self._make_room(cache, n)
+        pos = self.compiled.bind(cache, n)
+        if pos is None:
+            return None
+        spec = self.compiled.spec
+        need = self.lib.lmsp_prefill_scratch(ctypes.byref(spec), n)
+        if self.scratch.size < need:
+            self.scratch = np.empty(need, np.float32)
+        cos, sin = _rope_tables(pos, n, spec.rope_dims, *self.compiled.rope)
+        out = np.empty((n, spec.dim), np.float32)
+        if self.lib.lmsp_prefill(ctypes.byref(spec), ids.ctypes.data, n, pos, cos.ctypes.data, sin.ctypes.data,
+                                 out.ctypes.data, self.scratch.ctypes.data):
+            raise MemoryError("no memory for the attention scores")
+        for c in cache:
+            c.offset += n
+        return mx.array(out)[None]
+
+
+def install(model: nn.Module) -> bool:
+    """Route the model body's multi-token chunks to the compiled prefill, where it applies."""
+    lib = cpu_blas.fused_kernels()
+    if lib is None or os.environ.get("LMSP_CPU_PREFILL", "1") == "0":
+        return False
+    found = _supported(model)
+    if found is None:
+        return False
+    body = found[0]
+    try:
+        run = PrefillPass(lib, CompiledModel(model, *found))
+    except (ValueError, AttributeError) as exc:
+        log.info("compiled prefill not used: %s", exc)
+        return False
+    base = type(body)
+
+    def __call__(self, inputs, cache=None, input_embeddings=None, **kwargs):
+        if cache is not None and input_embeddings is None and not kwargs and inputs.ndim == 2 \
+                and inputs.shape[0] == 1 and inputs.shape[1] > 1:
+            hidden = run(inputs, cache)
+            if hidden is not None:
+                return hidden
+        return base.__call__(self, inputs, cache=cache, input_embeddings=input_embeddings, **kwargs)
+
+    body.__class__ = type(base.__name__, (base,), {"__call__": __call__, "prefill_pass": run})
+    return True
