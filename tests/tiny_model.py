@@ -172,3 +172,39 @@ def build_scripted_model(out: Path, *, script: list[str] = SCRIPT, words: tuple[
     mx.save_safetensors(str(out / "model.safetensors"), dict(tree_flatten(model.parameters())))
     (out / "config.json").write_text(json.dumps(config))
     return out
+
+
+def build_tiny_moe_model(out: Path, arch: str, *, bits: int = 4, group_size: int = 32, seed: int = 5) -> Path:
+    """A tiny random mixture-of-experts model of an mlx-lm architecture (`qwen3_moe` or
+    `deepseek_v3`: MLA attention, a shared expert, a dense first layer), 8 experts, top 2,
+    affine-quantized like a converted checkpoint (`quantization` in its config)."""
+    import importlib
+
+    import mlx.nn as nn
+
+    out.mkdir(parents=True, exist_ok=True)
+    common = {
+        "model_type": arch, "vocab_size": write_tokenizer(out), "hidden_size": 64, "intermediate_size": 128,
+        "moe_intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_experts_per_tok": 2,
+        "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "max_position_embeddings": 4096,
+        "tie_word_embeddings": False, "norm_topk_prob": True, "eos_token_id": 2,
+    }
+    if arch == "qwen3_moe":
+        config = {**common, "num_experts": 8, "decoder_sparse_step": 1, "mlp_only_layers": [],
+                  "num_key_value_heads": 2, "head_dim": 64}
+    elif arch == "deepseek_v3":
+        config = {**common, "num_key_value_heads": 4, "n_routed_experts": 8, "n_shared_experts": 1,
+                  "routed_scaling_factor": 1.0, "kv_lora_rank": 32, "q_lora_rank": 32, "qk_rope_head_dim": 32,
+                  "v_head_dim": 32, "qk_nope_head_dim": 32, "topk_method": "noaux_tc", "scoring_func": "sigmoid",
+                  "n_group": 1, "topk_group": 1, "first_k_dense_replace": 1, "moe_layer_freq": 1}
+    else:
+        raise ValueError(arch)
+    module = importlib.import_module(f"mlx_lm.models.{arch}")
+    mx.random.seed(seed)
+    model = module.Model(module.ModelArgs.from_dict(config))
+    model.lm_head.weight = mx.random.normal(model.lm_head.weight.shape) * 2.0  # decisive greedy choices
+    nn.quantize(model, group_size=group_size, bits=bits)
+    config["quantization"] = {"group_size": group_size, "bits": bits}
+    mx.save_safetensors(str(out / "model.safetensors"), dict(tree_flatten(model.parameters())))
+    (out / "config.json").write_text(json.dumps(config))
+    return out

@@ -87,19 +87,38 @@ def check_model_dir(path: Path) -> dict:
     return config
 
 
-def _to_float32(model: nn.Module) -> None:
-    """Dequantize every quantized layer in float32 and cast the rest to float32."""
-    from mlx_lm.utils import dequantize_model
+def _to_float32(model: nn.Module) -> bool:
+    """Dequantize the quantized layers to float32 and cast the rest to float32, except
+    MoE experts (QuantizedSwitchLinear), which stay quantized: they are most of an MoE
+    model's weights (a 30B-A3B model would take 120 GB in float32), a decode step reads
+    only the chosen few, and the expert kernel's dispatch runs them. True if any stayed."""
+    from mlx.utils import tree_unflatten
+    from mlx_lm.models.switch_layers import QuantizedSwitchLinear
 
-    for _, module in model.named_modules():
-        if isinstance(module, (nn.QuantizedLinear, nn.QuantizedEmbedding)) or hasattr(module, "scales"):
-            # float32 scales and biases make mx.dequantize produce exact float32 weights.
-            module.scales = module.scales.astype(mx.float32)
-            if getattr(module, "biases", None) is not None:
-                module.biases = module.biases.astype(mx.float32)
-    dequantize_model(model)
-    model.set_dtype(mx.float32)
+    swaps, experts = [], False
+    for name, module in model.named_modules():
+        if isinstance(module, QuantizedSwitchLinear):
+            experts = True
+            continue
+        if not isinstance(module, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
+            continue
+        # float32 scales and biases make mx.dequantize produce exact float32 weights.
+        weight = mx.dequantize(module.weight, module.scales.astype(mx.float32),
+                               None if module.get("biases") is None else module.biases.astype(mx.float32),
+                               module.group_size, module.bits, module.mode)
+        if isinstance(module, nn.QuantizedEmbedding):
+            plain = nn.Embedding(*weight.shape)
+        else:
+            plain = nn.Linear(weight.shape[1], weight.shape[0], bias="bias" in module)
+            if "bias" in module:
+                plain.bias = module.bias
+        plain.weight = weight
+        swaps.append((name, plain))
+    if swaps:
+        model.update_modules(tree_unflatten(swaps))
+    model.set_dtype(mx.float32)  # floating parameters only: packed expert codes stay uint32
     mx.eval(model.parameters())
+    return experts
 
 
 def fingerprint(path: Path, runtime: str) -> str:
@@ -142,8 +161,10 @@ def load_model(path: Path, *, model_id: str | None = None, ctx: int | None = Non
     if backend == "cpu":
         from . import cpu_decode, cpu_math, cpu_prefill
 
-        _to_float32(model)
+        experts = _to_float32(model)
         quantization = "float32" if stored.startswith("float") else f"float32 (dequantized from {stored})"
+        if experts:
+            quantization = f"float32, MoE experts {stored}"
         if replaced := cpu_math.install(model):
             log.info("CPU fast math for %s: %s", path.name, ", ".join(replaced))
         if cpu_prefill.install(model):
@@ -152,6 +173,15 @@ def load_model(path: Path, *, model_id: str | None = None, ctx: int | None = Non
             log.info("CPU decode steps for %s: one compiled call per token (cpu_blas/decode.c)", path.name)
     else:
         quantization = stored
+    from .. import kernels
+
+    try:
+        swapped = kernels.install(model)
+    except ValueError as exc:  # a bad LMSP_KERNELS value
+        raise ModelLoadError(str(exc)) from None
+    if swapped:
+        log.info("kernels for %s (LMSP_KERNELS=%s, backend %s): %s", path.name, kernels.mode(),
+                 kernels.backend() or "none, references", ", ".join(swapped))
     trained = int(config.get("max_position_embeddings") or config.get("max_seq_len") or 4096)
     context_length = ctx or trained
     if context_length > trained:

@@ -1,0 +1,23 @@
+"""Custom kernels for the quantized MoE-expert and attention paths.
+
+Each kernel has its sources here (`<name>.metal` for mx.fast.metal_kernel and a CUDA twin
+`<name>.cu` for mx.fast.cuda_kernel), a pure-MLX reference with the same signature
+(reference.py), and a dispatch (dispatch.py, `LMSP_KERNELS`) that runs the kernel only
+where its backend exists and the reference elsewhere, so everything runs on the CPU build.
+
+- expert_swiglu: each token's top-k experts' SwiGLU MLP over affine-quantized weights
+  (2/3/4/8 bits, groups of 32/64), for decode and small batches; KernelSwitchGLU puts it
+  in mlx-lm's MoE models.
+- decode_attention: one query step against mlx-lm's QuantizedKVCache (4/8 bits), grouped
+  query heads, K/V dequantized on the fly with an online softmax; used for `--kv-bits`.
+
+install(model) swaps both into a loaded model (engine/loader.py does, on every backend).
+"""
+
+from .decode_attention import decode_attention
+from .dispatch import backend, mode
+from .expert_swiglu import expert_swiglu
+from .install import KernelSwitchGLU, install
+from .quantized import QuantizedExperts
+
+__all__ = ["KernelSwitchGLU", "QuantizedExperts", "backend", "decode_attention", "expert_swiglu", "install", "mode"]

@@ -1,0 +1,104 @@
+// Decode attention over mlx-lm's QuantizedKVCache, for mx.fast.cuda_kernel.
+// Twin of decode_attention.metal (same algorithm, same names; see its comment): one block
+// per (batch, KV head, split of CHUNK positions), WARPS warps taking positions round-robin,
+// the 32 lanes splitting the head dimension, an online softmax per query head in
+// registers, warps merged in shared memory, splits merged by the caller.
+
+// --- header ---
+template <int BITS, int GS, int EPL, typename S>
+__device__ inline void lmsp_unpack(const uint32_t* w, const S* scales, const S* biases, int e0, float* out) {
+#pragma unroll
+    for (int i = 0; i < EPL; i++) {
+        int e = e0 + i, off = e * BITS, word = off >> 5, shift = off & 31;
+        uint32_t v = w[word] >> shift;
+        if (shift + BITS > 32) v |= w[word + 1] << (32 - shift);
+        v &= (1u << BITS) - 1u;
+        out[i] = static_cast<float>(scales[e / GS]) * static_cast<float>(v) + static_cast<float>(biases[e / GS]);
+    }
+}
+
+__device__ inline float lmsp_warp_sum(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+// --- body ---
+constexpr int EPL = D / 32;
+const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+const int bh = blockIdx.y, split = blockIdx.z, splits = gridDim.z;
+const int hkv = kw_shape[1], b = bh / hkv, h = bh % hkv;
+const int start = split * CHUNK, stop = min(start + CHUNK, n[0]);
+const int e0 = lane * EPL;
+const float neg_inf = -cuda::std::numeric_limits<float>::infinity();
+
+float qv[G][EPL], m[G], l[G], acc[G][EPL];
+#pragma unroll
+for (int g = 0; g < G; g++) {
+#pragma unroll
+    for (int i = 0; i < EPL; i++) {
+        qv[g][i] = static_cast<float>(q[(bh * G + g) * D + e0 + i]) * scale[0];
+        acc[g][i] = 0.0f;
+    }
+    m[g] = neg_inf;
+    l[g] = 0.0f;
+}
+const auto* kwh = kw + b * kw_strides[0] + h * kw_strides[1];
+const auto* vwh = vw + b * vw_strides[0] + h * vw_strides[1];
+const auto* ksh = ks + b * ks_strides[0] + h * ks_strides[1];
+const auto* kbh = kb + b * kb_strides[0] + h * kb_strides[1];
+const auto* vsh = vs + b * vs_strides[0] + h * vs_strides[1];
+const auto* vbh = vb + b * vb_strides[0] + h * vb_strides[1];
+for (int p = start + warp; p < stop; p += WARPS) {
+    float kv[EPL], vv[EPL];
+    lmsp_unpack<BITS, GS, EPL, S>(kwh + p * kw_strides[2], ksh + p * ks_strides[2], kbh + p * kb_strides[2], e0, kv);
+    lmsp_unpack<BITS, GS, EPL, S>(vwh + p * vw_strides[2], vsh + p * vs_strides[2], vbh + p * vb_strides[2], e0, vv);
+#pragma unroll
+    for (int g = 0; g < G; g++) {
+        float s = 0.0f;
+#pragma unroll
+        for (int i = 0; i < EPL; i++) s += qv[g][i] * kv[i];
+        s = lmsp_warp_sum(s);
+        float top = fmaxf(m[g], s), fade = __expf(m[g] - top), w = __expf(s - top);
+        l[g] = l[g] * fade + w;
+#pragma unroll
+        for (int i = 0; i < EPL; i++) acc[g][i] = acc[g][i] * fade + w * vv[i];
+        m[g] = top;
+    }
+}
+
+__shared__ float sm[WARPS * G], sl[WARPS * G], sacc[WARPS * G * D];
+#pragma unroll
+for (int g = 0; g < G; g++) {
+    if (lane == 0) {
+        sm[warp * G + g] = m[g];
+        sl[warp * G + g] = l[g];
+    }
+#pragma unroll
+    for (int i = 0; i < EPL; i++) sacc[(warp * G + g) * D + e0 + i] = acc[g][i];
+}
+__syncthreads();
+if (warp == 0) {
+    const int out = bh * splits + split;
+    for (int g = 0; g < G; g++) {
+        float top = neg_inf;
+        for (int w = 0; w < WARPS; w++) top = fmaxf(top, sm[w * G + g]);
+        float total = 0.0f, sums[EPL];
+#pragma unroll
+        for (int i = 0; i < EPL; i++) sums[i] = 0.0f;
+        if (top > neg_inf) {
+            for (int w = 0; w < WARPS; w++) {
+                float f = __expf(sm[w * G + g] - top);
+                total += f * sl[w * G + g];
+#pragma unroll
+                for (int i = 0; i < EPL; i++) sums[i] += f * sacc[(w * G + g) * D + e0 + i];
+            }
+        }
+#pragma unroll
+        for (int i = 0; i < EPL; i++) o_acc[(out * G + g) * D + e0 + i] = sums[i];
+        if (lane == 0) {
+            o_max[out * G + g] = top;
+            o_sum[out * G + g] = total;
+        }
+    }
+}

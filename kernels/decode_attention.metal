@@ -1,0 +1,95 @@
+// Decode attention over mlx-lm's QuantizedKVCache, for mx.fast.metal_kernel.
+// Twin: decode_attention.cu. Reference: reference.decode_attention. Loader: decode_attention.py.
+//
+// One threadgroup per (batch, KV head, split of CHUNK positions); its WARPS simdgroups take
+// positions round-robin, and the 32 lanes of a simdgroup split the head dimension (EPL
+// values each). For each position the lanes unpack that position's K and V once and use
+// them for all G query heads of the group (grouped-query attention), keeping an online
+// softmax (running max, sum, weighted V) per head in registers: no score row is stored.
+// The simdgroups' states are merged in threadgroup memory; the splits' partial results
+// (max, sum, unnormalised output) are merged by the caller, flash-decoding style.
+
+// --- header ---
+// W and P are deduced: MLX passes an input of fewer than 8 elements in the constant address
+// space instead of device memory (a 1-token cache with one KV head), so no space is spelled out.
+template <int BITS, int GS, int EPL, typename W, typename P>
+inline void lmsp_unpack(W w, P scales, P biases, int e0, thread float* out) {
+    for (int i = 0; i < EPL; i++) {
+        int e = e0 + i, off = e * BITS, word = off >> 5, shift = off & 31;
+        uint32_t v = w[word] >> shift;
+        if (shift + BITS > 32) v |= w[word + 1] << (32 - shift);
+        v &= (1u << BITS) - 1u;
+        out[i] = float(scales[e / GS]) * float(v) + float(biases[e / GS]);
+    }
+}
+
+// --- body ---
+constexpr int EPL = D / 32;
+const uint lane = thread_index_in_simdgroup;
+const uint warp = simdgroup_index_in_threadgroup;
+const int bh = threadgroup_position_in_grid.y, split = threadgroup_position_in_grid.z;
+const int splits = threadgroups_per_grid.z;
+const int hkv = kw_shape[1], b = bh / hkv, h = bh % hkv;
+const int start = split * CHUNK, stop = min(start + CHUNK, n[0]);
+const int e0 = lane * EPL;
+
+float qv[G][EPL], m[G], l[G], acc[G][EPL];
+for (int g = 0; g < G; g++) {
+    for (int i = 0; i < EPL; i++) {
+        qv[g][i] = float(q[(bh * G + g) * D + e0 + i]) * scale[0];
+        acc[g][i] = 0.0f;
+    }
+    m[g] = -INFINITY;
+    l[g] = 0.0f;
+}
+auto kwh = kw + b * kw_strides[0] + h * kw_strides[1];
+auto vwh = vw + b * vw_strides[0] + h * vw_strides[1];
+auto ksh = ks + b * ks_strides[0] + h * ks_strides[1];
+auto kbh = kb + b * kb_strides[0] + h * kb_strides[1];
+auto vsh = vs + b * vs_strides[0] + h * vs_strides[1];
+auto vbh = vb + b * vb_strides[0] + h * vb_strides[1];
+for (int p = start + warp; p < stop; p += WARPS) {
+    float kv[EPL], vv[EPL];
+    lmsp_unpack<BITS, GS, EPL>(kwh + p * kw_strides[2], ksh + p * ks_strides[2], kbh + p * kb_strides[2], e0, kv);
+    lmsp_unpack<BITS, GS, EPL>(vwh + p * vw_strides[2], vsh + p * vs_strides[2], vbh + p * vb_strides[2], e0, vv);
+    for (int g = 0; g < G; g++) {
+        float s = 0.0f;
+        for (int i = 0; i < EPL; i++) s += qv[g][i] * kv[i];
+        s = simd_sum(s);
+        float top = max(m[g], s), fade = metal::exp(m[g] - top), w = metal::exp(s - top);
+        l[g] = l[g] * fade + w;
+        for (int i = 0; i < EPL; i++) acc[g][i] = acc[g][i] * fade + w * vv[i];
+        m[g] = top;
+    }
+}
+
+threadgroup float sm[WARPS * G], sl[WARPS * G], sacc[WARPS * G * D];
+for (int g = 0; g < G; g++) {
+    if (lane == 0) {
+        sm[warp * G + g] = m[g];
+        sl[warp * G + g] = l[g];
+    }
+    for (int i = 0; i < EPL; i++) sacc[(warp * G + g) * D + e0 + i] = acc[g][i];
+}
+threadgroup_barrier(mem_flags::mem_threadgroup);
+if (warp == 0) {
+    const int out = bh * splits + split;
+    for (int g = 0; g < G; g++) {
+        float top = -INFINITY;
+        for (int w = 0; w < WARPS; w++) top = max(top, sm[w * G + g]);
+        float total = 0.0f, sums[EPL];
+        for (int i = 0; i < EPL; i++) sums[i] = 0.0f;
+        if (top > -INFINITY) {
+            for (int w = 0; w < WARPS; w++) {
+                float f = metal::exp(sm[w * G + g] - top);
+                total += f * sl[w * G + g];
+                for (int i = 0; i < EPL; i++) sums[i] += f * sacc[(w * G + g) * D + e0 + i];
+            }
+        }
+        for (int i = 0; i < EPL; i++) o_acc[(out * G + g) * D + e0 + i] = sums[i];
+        if (lane == 0) {
+            o_max[out * G + g] = top;
+            o_sum[out * G + g] = total;
+        }
+    }
+}

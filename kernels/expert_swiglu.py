@@ -1,0 +1,84 @@
+"""The quantized expert MLP for decode and small batches: the kernel, its dispatch and its limits.
+
+`expert_swiglu(x, indices, gate, up, down)` is what mlx-lm's SwitchGLU computes over
+QuantizedSwitchLinear projections: x (..., D), indices (..., K) -> (..., K, D).
+
+The kernel is two launches (expert_swiglu.metal / .cu): gate_up reads each selected
+expert's gate and up rows once against x and writes silu(gate) * up, and down reads the
+down rows against that. Only the chosen experts' rows are read. Shapes it does not take
+(mixed bit widths, a width or group size MLX's affine mode has that these do not, dims
+above MAX_DIM) go to the reference.
+"""
+
+from __future__ import annotations
+
+import math
+
+import mlx.core as mx
+
+from . import reference
+from .dispatch import Dispatch, backend, close
+from .quantized import EXPERT_BITS, GROUP_SIZES, QuantizedExperts
+from .sources import kernel as build
+
+WARPS = 4  # simdgroups per threadgroup
+ROWS = 4  # output rows per simdgroup
+MAX_DIM = 7168  # x or the hidden vector staged in threadgroup memory (28 KB of Metal's 32)
+
+
+def _fits(x: mx.array, indices: mx.array, gate: QuantizedExperts, up: QuantizedExperts, down: QuantizedExperts) -> bool:
+    same = {(p.bits, p.group_size) for p in (gate, up, down)}
+    if len(same) != 1:
+        return False
+    bits, group = same.pop()
+    d, h = x.shape[-1], gate.output_dims
+    return (indices.size < 65536  # token-expert pairs are the grid's second axis (CUDA caps it at 65535)
+            and bits in EXPERT_BITS and group in GROUP_SIZES and d <= MAX_DIM and h <= MAX_DIM
+            and gate.input_dims == up.input_dims == d and up.output_dims == h and down.input_dims == h
+            and down.output_dims == d)
+
+
+def kernel(x: mx.array, indices: mx.array, gate: QuantizedExperts, up: QuantizedExperts,
+           down: QuantizedExperts) -> mx.array:
+    *lead, d = x.shape
+    k, h = indices.shape[-1], gate.output_dims
+    tokens = math.prod(lead)
+    pairs = tokens * k
+    flat = indices.reshape(pairs).astype(mx.uint32)
+    per_group = WARPS * ROWS  # rows a threadgroup computes
+    common = [("S", gate.scales.dtype), ("D", d), ("H", h), ("BITS", gate.bits), ("GS", gate.group_size),
+              ("WARPS", WARPS), ("ROWS", ROWS)]
+    gate_up = build(backend(), "expert_swiglu", "gate_up", ("x", "idx", "gw", "gs", "gb", "uw", "us", "ub"), ("hid",))
+    (hidden,) = gate_up(
+        inputs=[x.reshape(tokens, d), flat, *gate[:3], *up[:3]],
+        template=[*common, ("X", x.dtype), ("K", k)],
+        grid=(32 * WARPS * -(-h // per_group), pairs, 1),
+        threadgroup=(32 * WARPS, 1, 1),
+        output_shapes=[(pairs, h)],
+        output_dtypes=[mx.float32],
+    )
+    down_run = build(backend(), "expert_swiglu", "down", ("hid", "idx", "dw", "ds", "db"), ("y",))
+    (y,) = down_run(
+        inputs=[hidden, flat, *down[:3]],
+        template=[*common, ("Y", x.dtype)],
+        grid=(32 * WARPS * -(-d // per_group), pairs, 1),
+        threadgroup=(32 * WARPS, 1, 1),
+        output_shapes=[(pairs, d)],
+        output_dtypes=[x.dtype],
+    )
+    return y.reshape(*lead, k, d)
+
+
+def _config(x, indices, gate, up, down) -> tuple:
+    return (backend(), x.shape[-1], gate.output_dims, indices.shape[-1], gate.bits, gate.group_size,
+            str(gate.scales.dtype), str(x.dtype))
+
+
+def _kernel_or_reference(x, indices, gate, up, down):
+    if not _fits(x, indices, gate, up, down):
+        return reference.expert_swiglu(x, indices, gate, up, down)
+    return kernel(x, indices, gate, up, down)
+
+
+expert_swiglu = Dispatch("expert_swiglu", _kernel_or_reference, reference.expert_swiglu, _config,
+                         lambda got, want: close(got, want, 2e-2 if got.dtype != mx.float32 else 1e-3))

@@ -1,0 +1,87 @@
+"""Swapping the kernels into a loaded mlx-lm model (every backend; off with LMSP_KERNELS=off).
+
+- MoE layers: each SwitchGLU whose three projections are affine-quantized
+  QuantizedSwitchLinear (qwen3_moe, deepseek_v2/v3, mixtral, ...) becomes a
+  KernelSwitchGLU: the same module and parameters, whose decode and small-batch calls go
+  through expert_swiglu. Larger batches keep mlx-lm's sorted gather_qmm path, which is
+  what it is built for.
+- Attention: the model module's `scaled_dot_product_attention` is wrapped so that a
+  one-position query against a QuantizedKVCache (`--kv-bits`) goes through
+  decode_attention; everything else is passed on unchanged.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwiGLU, SwitchGLU
+
+from .decode_attention import decode_attention
+from .dispatch import mode
+from .expert_swiglu import expert_swiglu
+from .quantized import QuantizedExperts
+
+SMALL_BATCH = 64  # token-expert pairs; from here mlx-lm sorts them and gather_qmm does well
+
+
+class KernelSwitchGLU(SwitchGLU):
+    """mlx-lm's SwitchGLU, with decode and small batches on the expert kernel."""
+
+    def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
+        if indices.size >= SMALL_BATCH:
+            return super().__call__(x, indices)
+        projections = (self.gate_proj, self.up_proj, self.down_proj)
+        return expert_swiglu(x, mx.stop_gradient(indices), *(QuantizedExperts.of(p) for p in projections))
+
+
+def _eligible(layer: nn.Module) -> bool:
+    if type(layer) is not SwitchGLU or type(layer.activation) is not SwiGLU:
+        return False
+    projections = (layer.gate_proj, layer.up_proj, layer.down_proj)
+    return all(
+        type(p) is QuantizedSwitchLinear and p.mode == "affine" and p.global_scale is None
+        and p.get("biases") is not None and "bias" not in p
+        for p in projections
+    )
+
+
+def _model_module(model: nn.Module):
+    """The mlx-lm module that defines the model (its class may be an engine subclass)."""
+    for cls in type(model).__mro__:
+        if cls.__module__.startswith("mlx_lm.models."):
+            return sys.modules[cls.__module__]
+    return None
+
+
+def _wrap_attention(module) -> bool:
+    current = getattr(module, "scaled_dot_product_attention", None)
+    if current is None or getattr(current, "lmsp_decode_attention", False):
+        return current is not None
+
+    def scaled_dot_product_attention(queries, keys, values, cache, scale, mask, sinks=None):
+        if (hasattr(cache, "bits") and sinks is None and queries.shape[2] == 1
+                and (mask is None or isinstance(mask, str)) and mode() != "off"):
+            return decode_attention(queries, keys, values, scale, cache.group_size, cache.bits)
+        return current(queries, keys, values, cache, scale=scale, mask=mask, sinks=sinks)
+
+    scaled_dot_product_attention.lmsp_decode_attention = True
+    module.scaled_dot_product_attention = scaled_dot_product_attention
+    return True
+
+
+def install(model: nn.Module) -> list[str]:
+    """Swap the kernels in where they apply; returns what was swapped, for the load log."""
+    if mode() == "off":
+        return []
+    done = []
+    moe = [m for _, m in model.named_modules() if _eligible(m)]
+    for layer in moe:
+        layer.__class__ = KernelSwitchGLU
+    if moe:
+        done.append(f"expert_swiglu ({len(moe)} MoE layers)")
+    module = _model_module(model)
+    if module is not None and _wrap_attention(module):
+        done.append("decode_attention (--kv-bits caches)")
+    return done
