@@ -14,9 +14,9 @@ where its backend exists and the reference elsewhere, so everything runs on the 
 install(model) swaps both into a loaded model (engine/loader.py does, on every backend).
 """
 
-from .decode_attention import decode_attention
+from .attention import decode_attention
 from .dispatch import backend, mode
-from .expert_swiglu import expert_swiglu
+from .experts import expert_swiglu
 from .install import KernelSwitchGLU, install
 from .quantized import QuantizedExperts
 

@@ -1,5 +1,5 @@
 // Decode attention over mlx-lm's QuantizedKVCache, for mx.fast.metal_kernel.
-// Twin: decode_attention.cu. Reference: reference.decode_attention. Loader: decode_attention.py.
+// Twin: decode_attention.cu. Reference: reference.decode_attention. Launcher: attention.py.
 //
 // One threadgroup per (batch, KV head, split of CHUNK positions); its WARPS simdgroups take
 // positions round-robin, and the 32 lanes of a simdgroup split the head dimension (EPL

@@ -1,5 +1,5 @@
 // The SwiGLU MLP of each token's top-k experts, quantized weights, for mx.fast.metal_kernel.
-// Twin: expert_swiglu.cu. Reference: reference.expert_swiglu. Loader: expert_swiglu.py.
+// Twin: expert_swiglu.cu. Reference: reference.expert_swiglu. Launcher: experts.py.
 //
 // Two kernels. gate_up: one threadgroup per (token-expert pair, block of hidden rows); x is
 // staged in threadgroup memory, each simdgroup takes ROWS hidden rows, its lanes walk the

@@ -18,9 +18,9 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwiGLU, SwitchGLU
 
-from .decode_attention import decode_attention
+from .attention import decode_attention
 from .dispatch import mode
-from .expert_swiglu import expert_swiglu
+from .experts import expert_swiglu
 from .quantized import QuantizedExperts
 
 SMALL_BATCH = 64  # token-expert pairs; from here mlx-lm sorts them and gather_qmm does well

@@ -17,8 +17,9 @@ from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwitchGLU
 from lmsp_mlx import kernels
 from lmsp_mlx.engine.generate import GenerationParams, generate
 from lmsp_mlx.engine.loader import load_model
-from lmsp_mlx.kernels import decode_attention as attention_module
-from lmsp_mlx.kernels import dispatch, expert_swiglu as expert_module, reference
+from lmsp_mlx.kernels import attention as attention_module
+from lmsp_mlx.kernels import dispatch, reference
+from lmsp_mlx.kernels import experts as expert_module
 from lmsp_mlx.kernels.quantized import QuantizedExperts
 from tiny_model import build_tiny_model, build_tiny_moe_model
 
@@ -324,3 +325,64 @@ def test_cuda_twins_compile_as_mlx_assembles_them(case, tmp_path):
     done = subprocess.run(["nvcc", "-std=c++17", "-arch=sm_90", "-c", str(source), "-o", str(tmp_path / "kernel.o")],
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
+
+
+# The kernel bodies themselves, run on the CPU by tests/simt.py (one OS thread per GPU
+# thread, barriers and simd/warp sums emulated), in float32, against the references: the
+# indexing, the synchronisation and the split/merge math of the very text MLX compiles.
+DIALECTS = ["metal", "cu"]
+
+
+@pytest.mark.skipif(shutil.which("g++") is None, reason="no g++ to build the SIMT emulation")
+@pytest.mark.parametrize("dialect", DIALECTS)
+@pytest.mark.parametrize("bits, group_size, hq, hkv, n, d", [
+    (4, 32, 8, 2, 300, 64),  # two splits of 256, the second partial; 4 query rows per KV head
+    (8, 64, 3, 1, 40, 128),  # fewer positions than a split; 3 query rows
+])
+def test_attention_kernel_source_computes_its_reference(dialect, bits, group_size, hq, hkv, n, d):
+    import simt
+
+    # A padded cache buffer and the views of its first n positions that the kernel reads.
+    buffers = {p: [np.array(a) for a in mx.quantize(mx.random.normal((1, hkv, n + 37, d)), group_size, bits)]
+               for p in "kv"}
+    keys, values = (tuple(mx.array(a)[:, :, :n] for a in buffers[p]) for p in "kv")
+    q, scale = mx.random.normal((1, hq, 1, d)), d**-0.5
+    rows, splits = hq // hkv, -(-n // attention_module.CHUNK)
+    inputs = {"q": np.array(q.reshape(1, hq, d))}
+    for p in "kv":
+        inputs |= {p + part: a[:, :, :n] for part, a in zip("wsb", buffers[p])}  # strided numpy views
+    inputs |= {"n": np.array([n], np.int32), "scale": np.array([scale], np.float32)}
+    out = simt.run("decode_attention", "body", dialect, inputs,
+                   {"o_acc": (hkv, splits, rows, d), "o_max": (hkv, splits, rows), "o_sum": (hkv, splits, rows)},
+                   {"T": "float", "S": "float", "D": d, "G": rows, "BITS": bits, "GS": group_size,
+                    "WARPS": attention_module.WARPS, "CHUNK": attention_module.CHUNK},
+                   grid=(1, hkv, splits), threads=32 * attention_module.WARPS)
+    got = attention_module.merge(*(mx.array(out[k]) for k in ("o_acc", "o_max", "o_sum"))).reshape(1, hq, 1, d)
+    assert rel_err(got, reference.decode_attention(q, keys, values, scale, group_size, bits)) < 1e-5
+
+
+@pytest.mark.skipif(shutil.which("g++") is None, reason="no g++ to build the SIMT emulation")
+@pytest.mark.parametrize("dialect", DIALECTS)
+def test_expert_kernel_sources_compute_their_reference(dialect):
+    import simt
+
+    bits, group_size, d, h, experts, tokens, k = 3, 32, 96, 64, 6, 2, 3  # 3-bit codes cross words
+    gate, up = (quantized_experts(experts, h, d, group_size, bits) for _ in range(2))
+    down = quantized_experts(experts, d, h, group_size, bits)
+    x = mx.random.normal((tokens, d))
+    indices = mx.stack([mx.random.permutation(experts)[:k] for _ in range(tokens)]).astype(mx.uint32)
+    pairs, rows = tokens * k, expert_module.WARPS * expert_module.ROWS
+    common = {"S": "float", "D": d, "H": h, "BITS": bits, "GS": group_size,
+              "WARPS": expert_module.WARPS, "ROWS": expert_module.ROWS}
+    idx = np.array(indices.reshape(-1))
+    hidden = simt.run("expert_swiglu", "gate_up", dialect,
+                      {"x": np.array(x), "idx": idx, **{n: np.array(a) for n, a in zip(
+                          ("gw", "gs", "gb", "uw", "us", "ub"), (*gate[:3], *up[:3]))}},
+                      {"hid": (pairs, h)}, {**common, "X": "float", "K": k},
+                      grid=(-(-h // rows), pairs, 1), threads=32 * expert_module.WARPS)["hid"]
+    y = simt.run("expert_swiglu", "down", dialect,
+                 {"hid": hidden, "idx": idx, **{n: np.array(a) for n, a in zip(("dw", "ds", "db"), down[:3])}},
+                 {"y": (pairs, d)}, {**common, "Y": "float"},
+                 grid=(-(-d // rows), pairs, 1), threads=32 * expert_module.WARPS)["y"]
+    want = reference.expert_swiglu(x, indices, gate, up, down)
+    assert rel_err(y.reshape(tokens, k, d), want) < 1e-5

@@ -49,9 +49,16 @@ def kernel(queries, keys, values, scale: float, group_size: int, bits: int) -> m
         output_shapes=[(b * hkv, splits, rows, d), (b * hkv, splits, rows), (b * hkv, splits, rows)],
         output_dtypes=[mx.float32] * 3,
     )
+    return merge(acc, top, total).reshape(b, hq, length, d).astype(queries.dtype)
+
+
+def merge(acc: mx.array, top: mx.array, total: mx.array) -> mx.array:
+    """The splits' partial softmax states -> attention output, (B*Hkv, rows, D).
+
+    acc (B*Hkv, splits, rows, D) holds each split's exp-weighted V sums relative to its
+    own running maximum `top`; `total` the matching sums of weights."""
     weight = mx.exp(top - top.max(axis=1, keepdims=True))  # (B*Hkv, splits, rows)
-    out = (acc * weight[..., None]).sum(axis=1) / (total * weight).sum(axis=1)[..., None]
-    return out.reshape(b, hq, length, d).astype(queries.dtype)
+    return (acc * weight[..., None]).sum(axis=1) / (total * weight).sum(axis=1)[..., None]
 
 
 def _config(queries, keys, values, scale, group_size, bits) -> tuple:

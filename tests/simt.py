@@ -1,0 +1,195 @@
+"""Run a kernel body from kernels/ on the CPU, one OS thread per GPU thread.
+
+No GPU is needed to check what a kernel computes: the body is compiled as C++ (g++) inside
+a small emulation of the SIMT model:
+- every thread of a threadgroup (CUDA block) is an OS thread, and threadgroups run one
+  after another;
+- threadgroup / __shared__ arrays are statics, shared by the group's threads;
+- barriers (threadgroup_barrier, __syncthreads) are a std::barrier of the group;
+- the simdgroup / warp operations (simd_sum, __shfl_xor_sync) exchange values through slots
+  behind a barrier of the 32 lanes;
+- the thread attributes (thread_index_in_simdgroup, blockIdx, ...) are thread-locals.
+
+The signature is assembled as MLX assembles it: inputs, their `_shape`/`_strides` where
+the body names them, outputs, and template args as constants at the top of the body.
+
+What this cannot check: address spaces, memory ordering beyond the barriers, half and
+bfloat16 arithmetic (float only here), the GPUs' exp and fused multiply-adds, and
+performance. It checks the indexing, the synchronisation structure and the math.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import subprocess
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+from lmsp_mlx.kernels.sources import sections
+
+PRELUDE = r"""
+#include <algorithm>
+#include <array>
+#include <atomic>
+#include <chrono>
+#include <cmath>
+#include <condition_variable>
+#include <cstdint>
+#include <limits>
+#include <mutex>
+#include <thread>
+#include <vector>
+using std::max; using std::min;
+using Thread = std::thread;  // before the Metal keywords below become macros
+typedef unsigned int uint;
+struct uint3 { uint x, y, z; };
+// A barrier that gives up after 10 s (threads that diverge at a barrier or a simd
+// operation would otherwise hang the test): the launch then reports failure.
+static std::atomic<bool> stuck{false};
+struct Barrier {
+    std::mutex m; std::condition_variable cv; int n, count = 0; long generation = 0;
+    explicit Barrier(int n) : n(n) {}
+    void wait() {
+        std::unique_lock<std::mutex> lock(m);
+        long g = generation;
+        if (++count == n) { count = 0; generation++; cv.notify_all(); return; }
+        if (!cv.wait_for(lock, std::chrono::seconds(10), [&] { return generation != g; })) { stuck = true; count--; }
+    }
+};
+struct Warp { Barrier bar{32}; float slot[32]; };
+struct Group {
+    Barrier bar; std::vector<Warp*> warps;
+    explicit Group(int n) : bar(n) { for (int i = 0; i < n / 32; i++) warps.push_back(new Warp()); }
+    ~Group() { for (auto* w : warps) delete w; }
+};
+thread_local Group* tl_group;
+thread_local uint3 tl_tid, tl_gid, tl_ntg, tl_tpg;
+static inline Warp& tl_warp() { return *tl_group->warps[tl_tid.x / 32]; }
+static inline float lane_exchange(float v, int from) {
+    Warp& w = tl_warp();
+    w.slot[tl_tid.x % 32] = v; w.bar.wait();
+    float r = w.slot[from]; w.bar.wait();
+    return r;
+}
+static inline float warp_total(float v) {
+    Warp& w = tl_warp();
+    w.slot[tl_tid.x % 32] = v; w.bar.wait();
+    float s = 0.0f;
+    for (int i = 0; i < 32; i++) s += w.slot[i];
+    w.bar.wait();
+    return s;
+}
+// Metal
+#define device
+#define thread
+#define constant
+#define threadgroup static
+namespace mem_flags { constexpr int mem_threadgroup = 0; }
+static inline void threadgroup_barrier(int) { tl_group->bar.wait(); }
+namespace metal { using std::exp; }
+static inline float simd_sum(float v) { return warp_total(v); }
+#define thread_index_in_simdgroup (tl_tid.x % 32)
+#define simdgroup_index_in_threadgroup (tl_tid.x / 32)
+#define thread_index_in_threadgroup (tl_tid.x)
+#define threadgroup_position_in_grid (tl_gid)
+#define threadgroups_per_grid (tl_ntg)
+#define threads_per_threadgroup (tl_tpg)
+// CUDA
+#define __device__
+#define __global__
+#define __shared__ static
+#define __grid_constant__
+namespace cuda { namespace std { using ::std::numeric_limits; } }
+static inline void __syncthreads() { tl_group->bar.wait(); }
+static inline float __shfl_xor_sync(unsigned, float v, int o) { return lane_exchange(v, (tl_tid.x % 32) ^ o); }
+#define __expf(x) std::exp(x)  // a macro: glibc declares an __expf of its own
+#define threadIdx (tl_tid)
+#define blockIdx (tl_gid)
+#define gridDim (tl_ntg)
+#define blockDim (tl_tpg)
+using Shape = std::array<int32_t, 8>;
+using Strides = std::array<int64_t, 8>;
+"""
+
+CTYPES = {np.float32: "float", np.uint32: "uint32_t", np.int32: "int32_t"}
+
+
+def _array(kind: str, values) -> str:
+    return "{" + ", ".join(str(int(v)) for v in values) + "}"
+
+
+def run(stem: str, section: str, dialect: str, inputs: dict[str, np.ndarray], outputs: dict[str, tuple],
+        template: dict[str, int | str], grid: tuple[int, int, int], threads: int) -> dict[str, np.ndarray]:
+    """Run section `section` of `stem`.`dialect` ('metal' or 'cu') over `grid` threadgroups
+    of `threads` threads. `inputs` are float32/uint32/int32 numpy arrays, views included
+    (the kernel gets their strides in elements, as MLX passes a view's); `outputs` maps a
+    name to its shape (float32)."""
+    src = sections(f"{stem}.{dialect}")
+    body = src[section]
+    params, args, lines = [], [], []
+    for i, (name, a) in enumerate(inputs.items()):
+        ctype = CTYPES[a.dtype.type]
+        params.append(f"const {ctype}* {name}")
+        args.append(f"(const {ctype}*)in[{i}]")
+        st = tuple(s // a.itemsize for s in a.strides)
+        for kind, values, ctype2 in (("shape", a.shape, "int32_t"), ("strides", st, "int64_t")):
+            if f"{name}_{kind}" not in body:
+                continue
+            lines.append(f"static const {ctype2} {name}_{kind}_v[8] = {_array(kind, values)};")
+            if dialect == "metal":
+                params.append(f"const {ctype2}* {name}_{kind}")
+                args.append(f"{name}_{kind}_v")
+            else:
+                t = "Shape" if kind == "shape" else "Strides"
+                params.append(f"const {t} {name}_{kind}")
+                args.append(f"{t}{{" + ", ".join(f"{name}_{kind}_v[{k}]" for k in range(8)) + "}")
+    for j, name in enumerate(outputs):
+        params.append(f"float* {name}")
+        args.append(f"(float*)out[{j}]")
+    consts = "".join(f"constexpr int {k} = {v};\n" if isinstance(v, int) else f"using {k} = {v};\n"
+                     for k, v in template.items())
+    code = (PRELUDE + src.get("header", "") + "\n" + "\n".join(lines)
+            + f"\nstatic void kernel_body({', '.join(params)}) {{\n{consts}{body}\n}}\n"
+            + f"""extern "C" int launch(void** in, void** out, unsigned gx, unsigned gy, unsigned gz, unsigned n) {{
+    stuck = false;
+    for (unsigned z = 0; z < gz; z++) for (unsigned y = 0; y < gy; y++) for (unsigned x = 0; x < gx; x++) {{
+        Group group(n);
+        std::vector<Thread> pool;
+        for (unsigned t = 0; t < n; t++) pool.emplace_back([&, t] {{
+            tl_group = &group; tl_tid = {{t, 0, 0}}; tl_gid = {{x, y, z}}; tl_ntg = {{gx, gy, gz}}; tl_tpg = {{n, 1, 1}};
+            kernel_body({', '.join(args)});
+        }});
+        for (auto& th : pool) th.join();
+        if (stuck) return 1;
+    }}
+    return 0;
+}}
+""")
+    lib = _build(code)
+    results = {name: np.zeros(shape, np.float32) for name, shape in outputs.items()}
+    ins = (ctypes.c_void_p * len(inputs))(*[a.ctypes.data for a in inputs.values()])
+    outs = (ctypes.c_void_p * len(results))(*[a.ctypes.data for a in results.values()])
+    if lib.launch(ins, outs, *grid, threads):
+        raise RuntimeError("the kernel's threads did not all reach a barrier or simd operation together")
+    return results
+
+
+_built: dict[str, ctypes.CDLL] = {}
+
+
+def _build(code: str) -> ctypes.CDLL:
+    key = hashlib.sha1(code.encode()).hexdigest()
+    if key not in _built:
+        out = Path(tempfile.mkdtemp()) / f"k{key[:12]}.so"
+        done = subprocess.run(["g++", "-std=c++20", "-O1", "-w", "-shared", "-fPIC", "-pthread", "-x", "c++", "-",
+                               "-o", str(out)], input=code, capture_output=True, text=True, timeout=300)
+        if done.returncode:
+            raise RuntimeError(f"the kernel does not compile as C++:\n{done.stderr[:4000]}")
+        lib = ctypes.CDLL(str(out))
+        lib.launch.argtypes = [ctypes.c_void_p, ctypes.c_void_p] + [ctypes.c_uint] * 4
+        lib.launch.restype = ctypes.c_int
+        _built[key] = lib
+    return _built[key]
