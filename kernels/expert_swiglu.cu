@@ -1,14 +1,22 @@
 // The SwiGLU MLP of each token's top-k experts, quantized weights, for mx.fast.cuda_kernel.
-// Twin of expert_swiglu.metal (same two kernels, same names; see its comment).
+// Twin of expert_swiglu.metal (same two kernels, same names, the same 32-code chunks; see
+// its comment).
 
 // --- header ---
-template <int BITS, int GS, typename S>
-__device__ inline float lmsp_code(const uint32_t* w, const S* scales, const S* biases, int e) {
-    int off = e * BITS, word = off >> 5, shift = off & 31;
-    uint32_t v = w[word] >> shift;
-    if (shift + BITS > 32) v |= w[word + 1] << (32 - shift);
-    v &= (1u << BITS) - 1u;
-    return static_cast<float>(scales[e / GS]) * static_cast<float>(v) + static_cast<float>(biases[e / GS]);
+template <int BITS, typename W, typename X>
+__device__ inline float lmsp_chunk_dot(const W* w, const X* x) {
+    uint32_t words[BITS];
+#pragma unroll
+    for (int j = 0; j < BITS; j++) words[j] = w[j];
+    float s = 0.0f;
+#pragma unroll
+    for (int i = 0; i < 32; i++) {
+        const int off = i * BITS, word = off >> 5, shift = off & 31;
+        uint32_t v = words[word] >> shift;
+        if (shift + BITS > 32) v |= words[word + 1] << (32 - shift);
+        s += static_cast<float>(v & ((1u << BITS) - 1u)) * x[i];
+    }
+    return s;
 }
 
 __device__ inline float lmsp_warp_sum(float v) {
@@ -18,20 +26,29 @@ __device__ inline float lmsp_warp_sum(float v) {
 }
 
 // --- gate_up ---
+// inputs: x (T, D), idx (T*K) uint32, gw/gs/gb and uw/us/ub (E, H, ...); output: hid (T*K, H) float
 const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
 const int pair = blockIdx.y, token = pair / K;
 const int expert = idx[pair];
+constexpr int CHUNKS = D / 32, WORDS = D * BITS / 32, GROUPS = D / GS;
 __shared__ float xs[D];
+__shared__ float xsum[CHUNKS];
 for (int e = threadIdx.x; e < D; e += blockDim.x) xs[e] = static_cast<float>(x[token * D + e]);
 __syncthreads();
+for (int c = threadIdx.x; c < CHUNKS; c += blockDim.x) {
+    float s = 0.0f;
+    for (int i = 0; i < 32; i++) s += xs[c * 32 + i];
+    xsum[c] = s;
+}
+__syncthreads();
 const int row0 = (blockIdx.x * WARPS + warp) * ROWS;
-constexpr int WORDS = D * BITS / 32, GROUPS = D / GS;
 for (int r = row0; r < min(row0 + ROWS, H); r++) {
     const long row = long(expert) * H + r;
     float g = 0.0f, u = 0.0f;
-    for (int e = lane; e < D; e += 32) {
-        g += lmsp_code<BITS, GS>(gw + row * WORDS, gs + row * GROUPS, gb + row * GROUPS, e) * xs[e];
-        u += lmsp_code<BITS, GS>(uw + row * WORDS, us + row * GROUPS, ub + row * GROUPS, e) * xs[e];
+    for (int c = lane; c < CHUNKS; c += 32) {
+        const long q = row * GROUPS + c * 32 / GS;
+        g += static_cast<float>(gs[q]) * lmsp_chunk_dot<BITS>(gw + row * WORDS + c * BITS, xs + c * 32) + static_cast<float>(gb[q]) * xsum[c];
+        u += static_cast<float>(us[q]) * lmsp_chunk_dot<BITS>(uw + row * WORDS + c * BITS, xs + c * 32) + static_cast<float>(ub[q]) * xsum[c];
     }
     g = lmsp_warp_sum(g);
     u = lmsp_warp_sum(u);
@@ -39,18 +56,29 @@ for (int r = row0; r < min(row0 + ROWS, H); r++) {
 }
 
 // --- down ---
+// inputs: hid (T*K, H) float, idx (T*K) uint32, dw/ds/db (E, D, ...); output: y (T*K, D)
 const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
 const int pair = blockIdx.y;
 const int expert = idx[pair];
+constexpr int CHUNKS = H / 32, WORDS = H * BITS / 32, GROUPS = H / GS;
 __shared__ float hs[H];
+__shared__ float hsum[CHUNKS];
 for (int e = threadIdx.x; e < H; e += blockDim.x) hs[e] = hid[long(pair) * H + e];
 __syncthreads();
+for (int c = threadIdx.x; c < CHUNKS; c += blockDim.x) {
+    float s = 0.0f;
+    for (int i = 0; i < 32; i++) s += hs[c * 32 + i];
+    hsum[c] = s;
+}
+__syncthreads();
 const int row0 = (blockIdx.x * WARPS + warp) * ROWS;
-constexpr int WORDS = H * BITS / 32, GROUPS = H / GS;
 for (int r = row0; r < min(row0 + ROWS, D); r++) {
     const long row = long(expert) * D + r;
     float s = 0.0f;
-    for (int e = lane; e < H; e += 32) s += lmsp_code<BITS, GS>(dw + row * WORDS, ds + row * GROUPS, db + row * GROUPS, e) * hs[e];
+    for (int c = lane; c < CHUNKS; c += 32) {
+        const long q = row * GROUPS + c * 32 / GS;
+        s += static_cast<float>(ds[q]) * lmsp_chunk_dot<BITS>(dw + row * WORDS + c * BITS, hs + c * 32) + static_cast<float>(db[q]) * hsum[c];
+    }
     s = lmsp_warp_sum(s);
     if (lane == 0) y[long(pair) * D + r] = static_cast<Y>(s);
 }

@@ -8,17 +8,28 @@
 // hidden vector. The hidden vector (k x hidden floats per token, 24 KB for a 30B-A3B layer)
 // is the one round trip through memory: fusing down into gate_up would leave one
 // threadgroup per pair, 8 per token, too few to keep a GPU's memory system busy.
+//
+// A lane reads a row in chunks of 32 codes: BITS whole words (so no code straddles two
+// chunks, whatever the width) under one scale and bias (groups are 32 or 64 codes). The
+// 32 lanes read 32 consecutive chunks, 128 * BITS contiguous bytes, per step. A chunk's dot
+// product with x is scale * sum(code * x) + bias * sum(x), and the sums of x per chunk are
+// computed once per threadgroup, beside x.
 
 // --- header ---
-// W and P are deduced (device or constant address space: MLX passes inputs of fewer than 8
-// elements as constant).
-template <int BITS, int GS, typename W, typename P>
-inline float lmsp_code(W w, P scales, P biases, int e) {
-    int off = e * BITS, word = off >> 5, shift = off & 31;
-    uint32_t v = w[word] >> shift;
-    if (shift + BITS > 32) v |= w[word + 1] << (32 - shift);
-    v &= (1u << BITS) - 1u;
-    return float(scales[e / GS]) * float(v) + float(biases[e / GS]);
+// W and X are deduced: MLX passes an input of fewer than 8 elements in the constant address
+// space, x sits in threadgroup memory; no address space is spelled out.
+template <int BITS, typename W, typename X>
+inline float lmsp_chunk_dot(W w, X x) {
+    uint32_t words[BITS];
+    for (int j = 0; j < BITS; j++) words[j] = w[j];
+    float s = 0.0f;
+    for (int i = 0; i < 32; i++) {
+        const int off = i * BITS, word = off >> 5, shift = off & 31;
+        uint32_t v = words[word] >> shift;
+        if (shift + BITS > 32) v |= words[word + 1] << (32 - shift);
+        s += float(v & ((1u << BITS) - 1u)) * x[i];
+    }
+    return s;
 }
 
 // --- gate_up ---
@@ -26,17 +37,25 @@ inline float lmsp_code(W w, P scales, P biases, int e) {
 const uint lane = thread_index_in_simdgroup, warp = simdgroup_index_in_threadgroup;
 const int pair = threadgroup_position_in_grid.y, token = pair / K;
 const int expert = idx[pair];
+constexpr int CHUNKS = D / 32, WORDS = D * BITS / 32, GROUPS = D / GS;
 threadgroup float xs[D];
+threadgroup float xsum[CHUNKS];
 for (int e = thread_index_in_threadgroup; e < D; e += threads_per_threadgroup.x) xs[e] = float(x[token * D + e]);
 threadgroup_barrier(mem_flags::mem_threadgroup);
+for (int c = thread_index_in_threadgroup; c < CHUNKS; c += threads_per_threadgroup.x) {
+    float s = 0.0f;
+    for (int i = 0; i < 32; i++) s += xs[c * 32 + i];
+    xsum[c] = s;
+}
+threadgroup_barrier(mem_flags::mem_threadgroup);
 const int row0 = (threadgroup_position_in_grid.x * WARPS + warp) * ROWS;
-constexpr int WORDS = D * BITS / 32, GROUPS = D / GS;
 for (int r = row0; r < min(row0 + ROWS, H); r++) {
     const long row = long(expert) * H + r;
     float g = 0.0f, u = 0.0f;
-    for (int e = lane; e < D; e += 32) {
-        g += lmsp_code<BITS, GS>(gw + row * WORDS, gs + row * GROUPS, gb + row * GROUPS, e) * xs[e];
-        u += lmsp_code<BITS, GS>(uw + row * WORDS, us + row * GROUPS, ub + row * GROUPS, e) * xs[e];
+    for (int c = lane; c < CHUNKS; c += 32) {
+        const long q = row * GROUPS + c * 32 / GS;
+        g += float(gs[q]) * lmsp_chunk_dot<BITS>(gw + row * WORDS + c * BITS, xs + c * 32) + float(gb[q]) * xsum[c];
+        u += float(us[q]) * lmsp_chunk_dot<BITS>(uw + row * WORDS + c * BITS, xs + c * 32) + float(ub[q]) * xsum[c];
     }
     g = simd_sum(g);
     u = simd_sum(u);
@@ -48,15 +67,25 @@ for (int r = row0; r < min(row0 + ROWS, H); r++) {
 const uint lane = thread_index_in_simdgroup, warp = simdgroup_index_in_threadgroup;
 const int pair = threadgroup_position_in_grid.y;
 const int expert = idx[pair];
+constexpr int CHUNKS = H / 32, WORDS = H * BITS / 32, GROUPS = H / GS;
 threadgroup float hs[H];
+threadgroup float hsum[CHUNKS];
 for (int e = thread_index_in_threadgroup; e < H; e += threads_per_threadgroup.x) hs[e] = hid[long(pair) * H + e];
 threadgroup_barrier(mem_flags::mem_threadgroup);
+for (int c = thread_index_in_threadgroup; c < CHUNKS; c += threads_per_threadgroup.x) {
+    float s = 0.0f;
+    for (int i = 0; i < 32; i++) s += hs[c * 32 + i];
+    hsum[c] = s;
+}
+threadgroup_barrier(mem_flags::mem_threadgroup);
 const int row0 = (threadgroup_position_in_grid.x * WARPS + warp) * ROWS;
-constexpr int WORDS = H * BITS / 32, GROUPS = H / GS;
 for (int r = row0; r < min(row0 + ROWS, D); r++) {
     const long row = long(expert) * D + r;
     float s = 0.0f;
-    for (int e = lane; e < H; e += 32) s += lmsp_code<BITS, GS>(dw + row * WORDS, ds + row * GROUPS, db + row * GROUPS, e) * hs[e];
+    for (int c = lane; c < CHUNKS; c += 32) {
+        const long q = row * GROUPS + c * 32 / GS;
+        s += float(ds[q]) * lmsp_chunk_dot<BITS>(dw + row * WORDS + c * BITS, hs + c * 32) + float(db[q]) * hsum[c];
+    }
     s = simd_sum(s);
     if (lane == 0) y[long(pair) * D + r] = static_cast<Y>(s);
 }

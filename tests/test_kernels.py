@@ -363,10 +363,14 @@ def test_attention_kernel_source_computes_its_reference(dialect, bits, group_siz
 
 @pytest.mark.skipif(shutil.which("g++") is None, reason="no g++ to build the SIMT emulation")
 @pytest.mark.parametrize("dialect", DIALECTS)
-def test_expert_kernel_sources_compute_their_reference(dialect):
+@pytest.mark.parametrize("bits, group_size, d, h, tokens, k", [
+    (3, 32, 96, 64, 2, 3),  # 3-bit codes cross words; 3 chunks of 32 codes a row, most lanes idle
+    (4, 64, 1088, 128, 1, 2),  # 34 chunks a row: lanes 0 and 1 take a second chunk
+])
+def test_expert_kernel_sources_compute_their_reference(dialect, bits, group_size, d, h, tokens, k):
     import simt
 
-    bits, group_size, d, h, experts, tokens, k = 3, 32, 96, 64, 6, 2, 3  # 3-bit codes cross words
+    experts = 6
     gate, up = (quantized_experts(experts, h, d, group_size, bits) for _ in range(2))
     down = quantized_experts(experts, d, h, group_size, bits)
     x = mx.random.normal((tokens, d))
