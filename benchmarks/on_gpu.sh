@@ -1,27 +1,36 @@
 #!/usr/bin/env bash
-# The custom kernels on an NVIDIA GPU under MLX's CUDA backend, in one run: the device
-# tool's machine (an H200) runs this from the repository root, with $OUT for results.
+# The custom kernels on the lent NVIDIA GPU (an H200) under MLX's CUDA backend.
 #
-#   bash benchmarks/on_gpu.sh        # on the GPU machine; results in $OUT (default ./gpu-out)
-#
-# 1. a venv with MLX's CUDA build instead of the CPU one (pyproject.toml asks for mlx[cpu]
-#    on Linux, so the project is installed without dependencies and they are added here);
-# 2. tests/test_kernels.py with LMSP_KERNELS=kernel: every kernel against its reference;
-# 3. benchmarks/kernels.py: kernels against MLX's built-ins, CSV + PNG.
+# Here first: `bash benchmarks/gpu_wheels.sh` (MLX's CUDA build, split for the 64 MiB carry
+# limit). Then two device calls, back to back (the machine stays warm 30 s):
+#   run(command="bash benchmarks/on_gpu.sh stage", carry=[".whl/a"], timeout_s=120)
+#   run(command="bash benchmarks/on_gpu.sh run", carry=[".whl/b"], timeout_s=540)
+# `run` installs MLX into /tmp/site, runs tests/test_kernels.py with LMSP_KERNELS=kernel
+# (every kernel against its reference) and benchmarks/kernels.py; results land in $OUT.
 set -uo pipefail
 OUT=${OUT:-gpu-out}
 mkdir -p "$OUT"
-python3 -m venv /tmp/gpu-venv
-PIP=/tmp/gpu-venv/bin/pip
-PY=/tmp/gpu-venv/bin/python
-{
-  $PIP install -q 'mlx[cuda12]>=0.32' || $PIP install -q 'mlx[cuda]>=0.32'
-  $PIP install -q --no-deps -e .
-  $PIP install -q 'mlx-lm>=0.32.2' quart hypercorn pydantic numpy safetensors tokenizers tqdm platformdirs \
-    cryptography llguidance pytest httpx matplotlib
-} >"$OUT/install.log" 2>&1 || { tail -20 "$OUT/install.log"; exit 1; }
-nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv >"$OUT/gpu.txt" 2>&1
-$PY -c "import mlx.core as mx; from lmsp_mlx import kernels; print(mx.__version__, mx.default_device(), kernels.backend())" \
-  | tee "$OUT/backend.txt"
-LMSP_KERNELS=kernel timeout 300 $PY -m pytest -q -p no:cacheprovider tests/test_kernels.py 2>&1 | tail -40 | tee "$OUT/tests.txt"
-timeout 240 $PY benchmarks/kernels.py --repeats 20 --out "$OUT" 2>&1 | tail -20 | tee "$OUT/bench.txt"
+case "${1:-}" in
+stage)
+    mkdir -p /tmp/stage && cp .whl/a/* /tmp/stage/ && ls -la /tmp/stage
+    ;;
+run)
+    name=$(cat /tmp/stage/cuda-wheel-name) || { echo "run the stage call first"; exit 1; }
+    cat /tmp/stage/part.aa .whl/b/part.ab > "/tmp/stage/$name"
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site \
+        /tmp/stage/mlx-*.whl /tmp/stage/mlx_lm-*.whl "/tmp/stage/$name" >"$OUT/install.log" 2>&1 \
+        || { tail -20 "$OUT/install.log"; exit 1; }
+    # lmsp_mlx.kernels is the top-level kernels/ folder (a package-dir mapping when installed)
+    [ -e lmsp_mlx/kernels ] || ln -s ../kernels lmsp_mlx/kernels
+    export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+    nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$OUT/gpu.txt"
+    python3 -c "import mlx.core as mx; from lmsp_mlx import kernels; print(mx.__version__, mx.default_device(), kernels.backend())" \
+        2>&1 | tee "$OUT/backend.txt"
+    LMSP_KERNELS=kernel timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py 2>&1 \
+        | tee "$OUT/tests.txt" | tail -40
+    timeout 200 python3 benchmarks/kernels.py --repeats 20 --out "$OUT" 2>&1 | tee "$OUT/bench.txt" | tail -16
+    ;;
+*)
+    echo "usage: on_gpu.sh stage|run (see the comment at the top)"; exit 2
+    ;;
+esac
