@@ -46,6 +46,8 @@ def kernel(x: mx.array, indices: mx.array, gate: QuantizedExperts, up: Quantized
     pairs = tokens * k
     flat = indices.reshape(pairs).astype(mx.uint32)
     per_group = WARPS * ROWS  # rows a threadgroup computes
+    # S, X and Y name the input and output dtypes even where the body does not use them:
+    # MLX's CUDA backend tells compiled kernels apart by name and template args only.
     common = [("S", gate.scales.dtype), ("D", d), ("H", h), ("BITS", gate.bits), ("GS", gate.group_size),
               ("WARPS", WARPS), ("ROWS", ROWS)]
     gate_up = build(backend(), "expert_swiglu", "gate_up", ("x", "idx", "gw", "gs", "gb", "uw", "us", "ub"), ("hid",))
