@@ -178,12 +178,13 @@ def run(stem: str, section: str, dialect: str, inputs: dict[str, np.ndarray], ou
 
 
 _built: dict[str, ctypes.CDLL] = {}
+_scratch = tempfile.TemporaryDirectory(prefix="simt-")  # removed when the test process exits
 
 
 def _build(code: str) -> ctypes.CDLL:
     key = hashlib.sha1(code.encode()).hexdigest()
     if key not in _built:
-        out = Path(tempfile.mkdtemp()) / f"k{key[:12]}.so"
+        out = Path(_scratch.name) / f"k{key[:12]}.so"
         done = subprocess.run(["g++", "-std=c++20", "-O1", "-w", "-shared", "-fPIC", "-pthread", "-x", "c++", "-",
                                "-o", str(out)], input=code, capture_output=True, text=True, timeout=300)
         if done.returncode:
