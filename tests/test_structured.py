@@ -94,7 +94,10 @@ def test_structured_output_is_advertised(server):
 @pytest.mark.parametrize("temperature", [0, 1])
 @pytest.mark.parametrize("name", list(SCHEMAS))
 def test_every_reply_validates_against_its_schema(server, name, temperature):
-    r = ask_json(server, SCHEMAS[name], temperature)
+    # JSON Schema puts no bound on an integer's digits, and at temperature 1 this model
+    # sometimes writes ids of 10 to 20 digits (4 of 16 replies here; one CI run passed 300 tokens):
+    # the room keeps this test about validity, not about length.
+    r = ask_json(server, SCHEMAS[name], temperature, max_tokens=300 if temperature == 0 else 1500)
     assert r.status_code == 200, r.text
     resp = r.json()
     assert resp["status"] == "completed", resp
