@@ -25,7 +25,7 @@ WARPS = 4
 
 
 def _fits(queries: mx.array, keys, group_size: int, bits: int) -> bool:
-    b, hq, length, d = queries.shape
+    _, hq, length, d = queries.shape
     hkv = keys[0].shape[1]
     return (d % 32 == 0 and d % group_size == 0 and hq % hkv == 0 and (hq // hkv) * length * d <= 1024
             and bits in KV_BITS and group_size in GROUP_SIZES and keys[0].shape[2] > 0)
@@ -42,6 +42,8 @@ def kernel(queries, keys, values, scale: float, group_size: int, bits: int) -> m
                 contiguous=False)
     acc, top, total = run(
         inputs=[q, *keys, *values, mx.array([n], mx.int32), mx.array([scale], mx.float32)],
+        # T and S name the input dtypes though the body does not use them: MLX's CUDA
+        # backend tells compiled kernels apart by name and template args only.
         template=[("T", queries.dtype), ("S", keys[1].dtype), ("D", d), ("G", rows), ("BITS", bits), ("GS", group_size),
                   ("WARPS", WARPS), ("CHUNK", CHUNK)],
         grid=(32 * WARPS, b * hkv, splits),

@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Callable
+from functools import lru_cache
 from typing import Any
 
 import mlx.core as mx
@@ -26,6 +27,7 @@ log = logging.getLogger("lmsp_mlx.kernels")
 MODES = ("auto", "reference", "kernel", "off")
 
 
+@lru_cache(maxsize=1)  # asked on every MoE layer and attention call; fixed for the process
 def backend() -> str | None:
     """'metal', 'cuda', or None (the CPU build: no kernel backend)."""
     if mx.metal.is_available():

@@ -180,19 +180,28 @@ def _supported(model: nn.Module) -> tuple[nn.Module, nn.RoPE] | None:
     return body, rope
 
 
+def compile_model(model: nn.Module, lib, switch: str, what: str) -> CompiledModel | None:
+    """The model's weights bound for a compiled pass, or None where the pass cannot take
+    it: no compiled library, `switch`=0 in the environment, or a layout it does not know."""
+    if lib is None or os.environ.get(switch, "1") == "0":
+        return None
+    found = _supported(model)
+    if found is None:
+        return None
+    try:
+        return CompiledModel(model, *found)
+    except (ValueError, AttributeError) as exc:
+        log.info("%s not used: %s", what, exc)
+        return None
+
+
 def install(model: nn.Module) -> bool:
     """Route the model's one-token steps to the compiled decode step, where it applies."""
     lib = cpu_blas.decode_kernel()
-    if lib is None or os.environ.get("LMSP_CPU_DECODE", "1") == "0":
+    compiled = compile_model(model, lib, "LMSP_CPU_DECODE", "compiled decode step")
+    if compiled is None:
         return False
-    found = _supported(model)
-    if found is None:
-        return False
-    try:
-        step = DecodeStep(lib, CompiledModel(model, *found))
-    except (ValueError, AttributeError) as exc:
-        log.info("compiled decode step not used: %s", exc)
-        return False
+    step = DecodeStep(lib, compiled)
     base = type(model)
 
     def __call__(self, inputs, cache=None, input_embeddings=None):

@@ -18,18 +18,14 @@ turns it off.
 from __future__ import annotations
 
 import ctypes
-import logging
-import os
 
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
 from .. import cpu_blas
-from .cpu_decode import CompiledModel, _supported
+from .cpu_decode import CompiledModel, compile_model
 from .cpu_math import _rope_tables
-
-log = logging.getLogger("lmsp_mlx.engine")
 
 
 class PrefillPass:
@@ -79,17 +75,11 @@ class PrefillPass:
 def install(model: nn.Module) -> bool:
     """Route the model body's multi-token chunks to the compiled prefill, where it applies."""
     lib = cpu_blas.fused_kernels()
-    if lib is None or os.environ.get("LMSP_CPU_PREFILL", "1") == "0":
+    compiled = compile_model(model, lib, "LMSP_CPU_PREFILL", "compiled prefill")
+    if compiled is None:
         return False
-    found = _supported(model)
-    if found is None:
-        return False
-    body = found[0]
-    try:
-        run = PrefillPass(lib, CompiledModel(model, *found))
-    except (ValueError, AttributeError) as exc:
-        log.info("compiled prefill not used: %s", exc)
-        return False
+    run = PrefillPass(lib, compiled)
+    body = model.model  # what cpu_decode._supported checked
     base = type(body)
 
     def __call__(self, inputs, cache=None, input_embeddings=None, **kwargs):
