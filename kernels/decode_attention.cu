@@ -2,7 +2,7 @@
 // Twin of decode_attention.metal (same algorithm, same names; see its comment): one block
 // per (batch, KV head, split of CHUNK positions), WARPS warps taking positions round-robin,
 // the 32 lanes splitting the head dimension, an online softmax per query head in
-// registers, warps merged in shared memory, splits merged by the caller.
+// registers, warps merged in shared memory, splits merged by the second kernel, `merge`.
 
 // --- header ---
 template <int BITS, int GS, int EPL, typename S>
@@ -28,7 +28,8 @@ constexpr int EPL = D / 32;
 const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
 const int bh = blockIdx.y, split = blockIdx.z, splits = gridDim.z;
 const int hkv = kw_shape[1], b = bh / hkv, h = bh % hkv;
-const int start = split * CHUNK, stop = min(start + CHUNK, n[0]);
+const int start = split * CHUNK, stop = min(start + CHUNK, kw_shape[2]);
+const float scale = __int_as_float(SCALE);
 const int e0 = lane * EPL;
 const float neg_inf = -cuda::std::numeric_limits<float>::infinity();
 
@@ -37,7 +38,7 @@ float qv[G][EPL], m[G], l[G], acc[G][EPL];
 for (int g = 0; g < G; g++) {
 #pragma unroll
     for (int i = 0; i < EPL; i++) {
-        qv[g][i] = static_cast<float>(q[(bh * G + g) * D + e0 + i]) * scale[0];
+        qv[g][i] = static_cast<float>(q[(bh * G + g) * D + e0 + i]) * scale;
         acc[g][i] = 0.0f;
     }
     m[g] = neg_inf;
@@ -102,3 +103,25 @@ if (warp == 0) {
         }
     }
 }
+
+// --- merge ---
+// One warp per query row (batch, KV head, row of the group): the splits' states rescaled
+// to the overall maximum and summed, then normalised, in the queries' dtype T.
+constexpr int EPL = D / 32;
+const int lane = threadIdx.x % 32;
+const int row = blockIdx.y, bh = row / G, g = row % G;
+const int splits = acc_shape[1];
+float top = -cuda::std::numeric_limits<float>::infinity();
+for (int s = 0; s < splits; s++) top = fmaxf(top, tops[(bh * splits + s) * G + g]);
+float total = 0.0f, sums[EPL];
+#pragma unroll
+for (int i = 0; i < EPL; i++) sums[i] = 0.0f;
+for (int s = 0; s < splits; s++) {
+    const int at = (bh * splits + s) * G + g;
+    const float f = __expf(tops[at] - top);
+    total += f * totals[at];
+#pragma unroll
+    for (int i = 0; i < EPL; i++) sums[i] += f * acc[at * D + lane * EPL + i];
+}
+#pragma unroll
+for (int i = 0; i < EPL; i++) out[row * D + lane * EPL + i] = static_cast<T>(sums[i] / total);

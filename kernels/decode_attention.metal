@@ -7,7 +7,10 @@
 // them for all G query heads of the group (grouped-query attention), keeping an online
 // softmax (running max, sum, weighted V) per head in registers: no score row is stored.
 // The simdgroups' states are merged in threadgroup memory; the splits' partial results
-// (max, sum, unnormalised output) are merged by the caller, flash-decoding style.
+// (max, sum, unnormalised output) are merged by the second kernel, `merge`, flash-decoding
+// style. Two launches in all: at decode sizes a launch costs about what the reads do.
+// The length is read off the cache view's shape and the scale is a template constant (its
+// float bits), so no per-call scalar array is made and copied.
 
 // --- header ---
 // W and P are deduced: MLX passes an input of fewer than 8 elements in the constant address
@@ -30,13 +33,14 @@ const uint warp = simdgroup_index_in_threadgroup;
 const int bh = threadgroup_position_in_grid.y, split = threadgroup_position_in_grid.z;
 const int splits = threadgroups_per_grid.z;
 const int hkv = kw_shape[1], b = bh / hkv, h = bh % hkv;
-const int start = split * CHUNK, stop = min(start + CHUNK, n[0]);
+const int start = split * CHUNK, stop = min(start + CHUNK, kw_shape[2]);
+const float scale = as_type<float>(SCALE);
 const int e0 = lane * EPL;
 
 float qv[G][EPL], m[G], l[G], acc[G][EPL];
 for (int g = 0; g < G; g++) {
     for (int i = 0; i < EPL; i++) {
-        qv[g][i] = float(q[(bh * G + g) * D + e0 + i]) * scale[0];
+        qv[g][i] = float(q[(bh * G + g) * D + e0 + i]) * scale;
         acc[g][i] = 0.0f;
     }
     m[g] = -INFINITY;
@@ -93,3 +97,22 @@ if (warp == 0) {
         }
     }
 }
+
+// --- merge ---
+// One simdgroup per query row (batch, KV head, row of the group): the splits' states
+// rescaled to the overall maximum and summed, then normalised, in the queries' dtype T.
+constexpr int EPL = D / 32;
+const uint lane = thread_index_in_simdgroup;
+const int row = threadgroup_position_in_grid.y, bh = row / G, g = row % G;
+const int splits = acc_shape[1];
+float top = -INFINITY;
+for (int s = 0; s < splits; s++) top = max(top, tops[(bh * splits + s) * G + g]);
+float total = 0.0f, sums[EPL];
+for (int i = 0; i < EPL; i++) sums[i] = 0.0f;
+for (int s = 0; s < splits; s++) {
+    const int at = (bh * splits + s) * G + g;
+    const float f = metal::exp(tops[at] - top);
+    total += f * totals[at];
+    for (int i = 0; i < EPL; i++) sums[i] += f * acc[at * D + lane * EPL + i];
+}
+for (int i = 0; i < EPL; i++) out[row * D + lane * EPL + i] = static_cast<T>(sums[i] / total);

@@ -82,5 +82,7 @@ def _kernel_or_reference(x, indices, gate, up, down):
     return kernel(x, indices, gate, up, down)
 
 
+# float32's tolerance allows for the reference's matmuls running as TF32 (MLX_ENABLE_TF32,
+# on by default on CUDA GPUs and Apple's M5): about 1e-3 of the output's scale.
 expert_swiglu = Dispatch("expert_swiglu", _kernel_or_reference, reference.expert_swiglu, _config,
-                         lambda got, want: close(got, want, 2e-2 if got.dtype != mx.float32 else 1e-3))
+                         lambda got, want: close(got, want, 2e-2 if got.dtype != mx.float32 else 5e-3))

@@ -38,6 +38,7 @@ PRELUDE = r"""
 #include <cmath>
 #include <condition_variable>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <mutex>
 #include <thread>
@@ -90,6 +91,7 @@ static inline float warp_total(float v) {
 namespace mem_flags { constexpr int mem_threadgroup = 0; }
 static inline void threadgroup_barrier(int) { tl_group->bar.wait(); }
 namespace metal { using std::exp; }
+template <typename T, typename U> static inline T as_type(U u) { static_assert(sizeof(T) == sizeof(U)); T t; std::memcpy(&t, &u, sizeof t); return t; }
 static inline float simd_sum(float v) { return warp_total(v); }
 #define thread_index_in_simdgroup (tl_tid.x % 32)
 #define simdgroup_index_in_threadgroup (tl_tid.x / 32)
@@ -106,6 +108,7 @@ namespace cuda { namespace std { using ::std::numeric_limits; } }
 static inline void __syncthreads() { tl_group->bar.wait(); }
 static inline float __shfl_xor_sync(unsigned, float v, int o) { return lane_exchange(v, (tl_tid.x % 32) ^ o); }
 #define __expf(x) std::exp(x)  // a macro: glibc declares an __expf of its own
+static inline float __int_as_float(int v) { return as_type<float>(v); }
 #define threadIdx (tl_tid)
 #define blockIdx (tl_gid)
 #define gridDim (tl_ntg)

@@ -89,7 +89,8 @@ def stock_switch_glu(d: int, h: int, gate, up, down) -> SwitchGLU:
 @pytest.mark.parametrize("bits", [2, 3, 4, 8])
 @pytest.mark.parametrize("group_size", [32, 64])
 @pytest.mark.parametrize("tokens, k", [(1, 8), (3, 2)])
-def test_expert_reference_matches_a_float_computation_and_gather_qmm(bits, group_size, tokens, k):
+def test_expert_reference_matches_a_float_computation_and_gather_qmm(bits, group_size, tokens, k, monkeypatch):
+    monkeypatch.setenv("LMSP_KERNELS", "auto")
     d, h, experts = 128, 192, 10
     gate, up = (quantized_experts(experts, h, d, group_size, bits) for _ in range(2))
     down = quantized_experts(experts, d, h, group_size, bits)
@@ -100,10 +101,11 @@ def test_expert_reference_matches_a_float_computation_and_gather_qmm(bits, group
     assert rel_err(got, float_experts(x, indices, gate, up, down)) < 1e-5
     stock = stock_switch_glu(d, h, gate, up, down)
     assert rel_err(got, stock(x, indices)) < 1e-4
-    # The swapped layer (the model's view): same module, same result, through the dispatch.
+    # The swapped layer (the model's view): same module, same result, through the dispatch
+    # (the reference itself on the CPU build; where a backend exists, the checked kernel).
     before = kernels.expert_swiglu.calls["reference"]
     stock.__class__ = kernels.KernelSwitchGLU
-    assert rel_err(stock(x, indices), got) < 1e-6
+    assert rel_err(stock(x, indices), got) < (1e-6 if kernels.backend() is None else 1e-4)
     assert kernels.expert_swiglu.calls["reference"] == before + (kernels.backend() is None)
 
 
@@ -298,10 +300,13 @@ HALF, BF16, U32 = "__half", "__nv_bfloat16", "uint32_t"
 CUDA_BUILDS = {
     "decode_attention, float16 cache, 8 query rows of 128": cuda_source(
         "decode_attention", "body",
-        [("q", BF16), ("kw", U32), ("ks", HALF), ("kb", HALF), ("vw", U32), ("vs", HALF), ("vb", HALF),
-         ("n", "int32_t"), ("scale", "float")],
+        [("q", BF16), ("kw", U32), ("ks", HALF), ("kb", HALF), ("vw", U32), ("vs", HALF), ("vb", HALF)],
         [("o_acc", "float"), ("o_max", "float"), ("o_sum", "float")],
-        [("T", BF16), ("S", HALF), ("D", 128), ("G", 8), ("BITS", 4), ("GS", 64), ("WARPS", 4), ("CHUNK", 256)]),
+        [("T", BF16), ("S", HALF), ("D", 128), ("G", 8), ("BITS", 4), ("GS", 64), ("WARPS", 4), ("CHUNK", 256),
+         ("SCALE", 1040187392)]),  # 0.125
+    "decode_attention merge, bfloat16 out": cuda_source(
+        "decode_attention", "merge", [("acc", "float"), ("tops", "float"), ("totals", "float")], [("out", BF16)],
+        [("T", BF16), ("D", 128), ("G", 8)]),
     "expert gate_up, 3-bit (codes across words)": cuda_source(
         "expert_swiglu", "gate_up",
         [("x", BF16), ("idx", U32), ("gw", U32), ("gs", HALF), ("gb", HALF), ("uw", U32), ("us", HALF), ("ub", HALF)],
@@ -351,13 +356,16 @@ def test_attention_kernel_source_computes_its_reference(dialect, bits, group_siz
     inputs = {"q": np.array(q.reshape(1, hq, d))}
     for p in "kv":
         inputs |= {p + part: a[:, :, :n] for part, a in zip("wsb", buffers[p])}  # strided numpy views
-    inputs |= {"n": np.array([n], np.int32), "scale": np.array([scale], np.float32)}
-    out = simt.run("decode_attention", "body", dialect, inputs,
-                   {"o_acc": (hkv, splits, rows, d), "o_max": (hkv, splits, rows), "o_sum": (hkv, splits, rows)},
-                   {"T": "float", "S": "float", "D": d, "G": rows, "BITS": bits, "GS": group_size,
-                    "WARPS": attention_module.WARPS, "CHUNK": attention_module.CHUNK},
-                   grid=(1, hkv, splits), threads=32 * attention_module.WARPS)
-    got = attention_module.merge(*(mx.array(out[k]) for k in ("o_acc", "o_max", "o_sum"))).reshape(1, hq, 1, d)
+    parts = simt.run("decode_attention", "body", dialect, inputs,
+                     {"o_acc": (hkv, splits, rows, d), "o_max": (hkv, splits, rows), "o_sum": (hkv, splits, rows)},
+                     {"T": "float", "S": "float", "D": d, "G": rows, "BITS": bits, "GS": group_size,
+                      "WARPS": attention_module.WARPS, "CHUNK": attention_module.CHUNK,
+                      "SCALE": attention_module.float_bits(scale)},
+                     grid=(1, hkv, splits), threads=32 * attention_module.WARPS)
+    out = simt.run("decode_attention", "merge", dialect,
+                   {"acc": parts["o_acc"], "tops": parts["o_max"], "totals": parts["o_sum"]},
+                   {"out": (hkv * rows, d)}, {"T": "float", "D": d, "G": rows}, grid=(1, hkv * rows, 1), threads=32)
+    got = out["out"].reshape(1, hq, 1, d)
     assert rel_err(got, reference.decode_attention(q, keys, values, scale, group_size, bits)) < 1e-5
 
 
