@@ -6,7 +6,10 @@
 #   run(command="bash benchmarks/on_gpu.sh stage", carry=[".whl/a"], timeout_s=120)
 #   run(command="bash benchmarks/on_gpu.sh run", carry=[".whl/b"], timeout_s=540)
 # `run` installs MLX into /tmp/site, runs tests/test_kernels.py with LMSP_KERNELS=kernel
-# (every kernel against its reference) and benchmarks/kernels.py; results land in $OUT.
+# (every kernel against its reference), benchmarks/kernels.py and benchmarks/kernel_sweep.py;
+# results land in $OUT.
+# Rehearsed on this machine with Python 3.12, the device's package versions and MLX's CPU
+# wheel in place of the CUDA one (everything but the GPU itself).
 set -uo pipefail
 OUT=${OUT:-gpu-out}
 mkdir -p "$OUT"
@@ -20,15 +23,33 @@ run)
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site \
         /tmp/stage/mlx-*.whl /tmp/stage/mlx_lm-*.whl "/tmp/stage/$name" >"$OUT/install.log" 2>&1 \
         || { tail -20 "$OUT/install.log"; exit 1; }
+    # libmlx.so finds the CUDA libraries through RPATH $ORIGIN/../../nvidia/...: next to
+    # where pip put it. They are the machine's own (PyTorch's nvidia-* wheels), elsewhere.
+    nv=$(python3 -c "import nvidia; print(list(nvidia.__path__)[0])" 2>/dev/null)
+    if [ -n "$nv" ]; then
+        ln -sfn "$nv" /tmp/site/nvidia
+        export LD_LIBRARY_PATH="$(ls -d "$nv"/*/lib 2>/dev/null | tr '\n' ':')${LD_LIBRARY_PATH:-}"
+    fi
+    # NVRTC, which builds the kernels, needs the CUDA headers: CUDA_HOME, else /usr/local/cuda
+    if [ -z "${CUDA_HOME:-}" ] && [ ! -d /usr/local/cuda/include ] && command -v nvcc >/dev/null; then
+        export CUDA_HOME=$(dirname "$(dirname "$(command -v nvcc)")")
+    fi
+    { echo "nvidia=$nv CUDA_HOME=${CUDA_HOME:-} nvcc=$(command -v nvcc)"; ldd /tmp/site/mlx/lib/libmlx.so; } \
+        >"$OUT/libs.txt" 2>&1
+    grep "not found" "$OUT/libs.txt"
     # lmsp_mlx.kernels is the top-level kernels/ folder (a package-dir mapping when installed)
     [ -e lmsp_mlx/kernels ] || ln -s ../kernels lmsp_mlx/kernels
     export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
     nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$OUT/gpu.txt"
     python3 -c "import mlx.core as mx; from lmsp_mlx import kernels; print(mx.__version__, mx.default_device(), kernels.backend())" \
         2>&1 | tee "$OUT/backend.txt"
-    LMSP_KERNELS=kernel timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py 2>&1 \
+    # full float32 in the tests (MLX runs float32 matmuls as TF32 by default on these GPUs,
+    # references included); the benchmark keeps the default a user gets
+    MLX_ENABLE_TF32=0 LMSP_KERNELS=kernel timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py 2>&1 \
         | tee "$OUT/tests.txt" | tail -40
     timeout 200 python3 benchmarks/kernels.py --repeats 20 --out "$OUT" 2>&1 | tee "$OUT/bench.txt" | tail -16
+    # the launch shapes the constants in kernels/ should take on this GPU
+    timeout 120 python3 benchmarks/kernel_sweep.py --out "$OUT" 2>&1 | tee "$OUT/sweep.txt" | tail -30
     ;;
 *)
     echo "usage: on_gpu.sh stage|run (see the comment at the top)"; exit 2

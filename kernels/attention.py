@@ -24,7 +24,8 @@ from .quantized import GROUP_SIZES, KV_BITS
 from .sources import kernel as build
 
 CHUNK = 256  # positions per threadgroup: 64 splits per KV head at 16K
-WARPS = 4
+WARPS = 4  # simdgroups per threadgroup (their merge takes WARPS * G * D floats of its memory)
+BATCH = 4  # positions a simdgroup loads together
 
 
 def _fits(queries: mx.array, keys, group_size: int, bits: int) -> bool:
@@ -48,7 +49,8 @@ def kernel(queries, keys, values, scale: float, group_size: int, bits: int) -> m
         # backend tells compiled kernels apart by name and template args only. The scale
         # travels as its float bits (fixed per model: one build, no per-call array).
         template=[("T", queries.dtype), ("S", keys[1].dtype), ("D", d), ("G", rows), ("BITS", bits),
-                  ("GS", group_size), ("WARPS", WARPS), ("CHUNK", CHUNK), ("SCALE", float_bits(scale))],
+                  ("GS", group_size), ("WARPS", WARPS), ("BATCH", BATCH), ("CHUNK", CHUNK),
+                  ("SCALE", float_bits(scale))],
         grid=(32 * WARPS, b * hkv, splits),
         threadgroup=(32 * WARPS, 1, 1),
         output_shapes=[(b * hkv, splits, rows, d), (b * hkv, splits, rows), (b * hkv, splits, rows)],

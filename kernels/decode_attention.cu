@@ -1,8 +1,9 @@
 // Decode attention over mlx-lm's QuantizedKVCache, for mx.fast.cuda_kernel.
 // Twin of decode_attention.metal (same algorithm, same names; see its comment): one block
-// per (batch, KV head, split of CHUNK positions), WARPS warps taking positions round-robin,
-// the 32 lanes splitting the head dimension, an online softmax per query head in
-// registers, warps merged in shared memory, splits merged by the second kernel, `merge`.
+// per (batch, KV head, split of CHUNK positions), WARPS warps taking batches of BATCH
+// positions round-robin, the 32 lanes splitting the head dimension, an online softmax per
+// query head in registers, warps merged in shared memory, splits merged by the second
+// kernel, `merge`.
 
 // --- header ---
 template <int BITS, int GS, int EPL, typename S>
@@ -50,20 +51,38 @@ const auto* ksh = ks + b * ks_strides[0] + h * ks_strides[1];
 const auto* kbh = kb + b * kb_strides[0] + h * kb_strides[1];
 const auto* vsh = vs + b * vs_strides[0] + h * vs_strides[1];
 const auto* vbh = vb + b * vb_strides[0] + h * vb_strides[1];
-for (int p = start + warp; p < stop; p += WARPS) {
-    float kv[EPL], vv[EPL];
-    lmsp_unpack<BITS, GS, EPL, S>(kwh + p * kw_strides[2], ksh + p * ks_strides[2], kbh + p * kb_strides[2], e0, kv);
-    lmsp_unpack<BITS, GS, EPL, S>(vwh + p * vw_strides[2], vsh + p * vs_strides[2], vbh + p * vb_strides[2], e0, vv);
+// Batches of BATCH positions per warp, loads issued together (see the Metal twin).
+for (int p0 = start + warp * BATCH; p0 < stop; p0 += WARPS * BATCH) {
+    float kv[BATCH][EPL], vv[BATCH][EPL];
+#pragma unroll
+    for (int j = 0; j < BATCH; j++) {
+        const int p = min(p0 + j, stop - 1);
+        lmsp_unpack<BITS, GS, EPL, S>(kwh + p * kw_strides[2], ksh + p * ks_strides[2], kbh + p * kb_strides[2], e0, kv[j]);
+        lmsp_unpack<BITS, GS, EPL, S>(vwh + p * vw_strides[2], vsh + p * vs_strides[2], vbh + p * vb_strides[2], e0, vv[j]);
+    }
 #pragma unroll
     for (int g = 0; g < G; g++) {
-        float s = 0.0f;
+        float s[BATCH], top = m[g];
 #pragma unroll
-        for (int i = 0; i < EPL; i++) s += qv[g][i] * kv[i];
-        s = lmsp_warp_sum(s);
-        float top = fmaxf(m[g], s), fade = __expf(m[g] - top), w = __expf(s - top);
-        l[g] = l[g] * fade + w;
+        for (int j = 0; j < BATCH; j++) {
+            float dot = 0.0f;
 #pragma unroll
-        for (int i = 0; i < EPL; i++) acc[g][i] = acc[g][i] * fade + w * vv[i];
+            for (int i = 0; i < EPL; i++) dot += qv[g][i] * kv[j][i];
+            dot = lmsp_warp_sum(dot);
+            s[j] = p0 + j < stop ? dot : neg_inf;
+            top = fmaxf(top, s[j]);
+        }
+        const float fade = __expf(m[g] - top);
+        l[g] *= fade;
+#pragma unroll
+        for (int i = 0; i < EPL; i++) acc[g][i] *= fade;
+#pragma unroll
+        for (int j = 0; j < BATCH; j++) {
+            const float w = __expf(s[j] - top);
+            l[g] += w;
+#pragma unroll
+            for (int i = 0; i < EPL; i++) acc[g][i] += w * vv[j][i];
+        }
         m[g] = top;
     }
 }

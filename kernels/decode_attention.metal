@@ -2,8 +2,8 @@
 // Twin: decode_attention.cu. Reference: reference.decode_attention. Launcher: attention.py.
 //
 // One threadgroup per (batch, KV head, split of CHUNK positions); its WARPS simdgroups take
-// positions round-robin, and the 32 lanes of a simdgroup split the head dimension (EPL
-// values each). For each position the lanes unpack that position's K and V once and use
+// batches of BATCH positions round-robin, and the 32 lanes of a simdgroup split the head
+// dimension (EPL values each). For each position the lanes unpack that position's K and V once and use
 // them for all G query heads of the group (grouped-query attention), keeping an online
 // softmax (running max, sum, weighted V) per head in registers: no score row is stored.
 // The simdgroups' states are merged in threadgroup memory; the splits' partial results
@@ -52,17 +52,33 @@ auto ksh = ks + b * ks_strides[0] + h * ks_strides[1];
 auto kbh = kb + b * kb_strides[0] + h * kb_strides[1];
 auto vsh = vs + b * vs_strides[0] + h * vs_strides[1];
 auto vbh = vb + b * vb_strides[0] + h * vb_strides[1];
-for (int p = start + warp; p < stop; p += WARPS) {
-    float kv[EPL], vv[EPL];
-    lmsp_unpack<BITS, GS, EPL>(kwh + p * kw_strides[2], ksh + p * ks_strides[2], kbh + p * kb_strides[2], e0, kv);
-    lmsp_unpack<BITS, GS, EPL>(vwh + p * vw_strides[2], vsh + p * vs_strides[2], vbh + p * vb_strides[2], e0, vv);
+// A simdgroup takes BATCH consecutive positions at a time: their K and V loads are issued
+// together (a batch past `stop` re-reads the last position and masks its scores), so
+// 2 * BATCH rows are in flight per simdgroup, and the softmax rescales once per batch.
+for (int p0 = start + int(warp) * BATCH; p0 < stop; p0 += WARPS * BATCH) {
+    float kv[BATCH][EPL], vv[BATCH][EPL];
+    for (int j = 0; j < BATCH; j++) {
+        const int p = min(p0 + j, stop - 1);
+        lmsp_unpack<BITS, GS, EPL>(kwh + p * kw_strides[2], ksh + p * ks_strides[2], kbh + p * kb_strides[2], e0, kv[j]);
+        lmsp_unpack<BITS, GS, EPL>(vwh + p * vw_strides[2], vsh + p * vs_strides[2], vbh + p * vb_strides[2], e0, vv[j]);
+    }
     for (int g = 0; g < G; g++) {
-        float s = 0.0f;
-        for (int i = 0; i < EPL; i++) s += qv[g][i] * kv[i];
-        s = simd_sum(s);
-        float top = max(m[g], s), fade = metal::exp(m[g] - top), w = metal::exp(s - top);
-        l[g] = l[g] * fade + w;
-        for (int i = 0; i < EPL; i++) acc[g][i] = acc[g][i] * fade + w * vv[i];
+        float s[BATCH], top = m[g];
+        for (int j = 0; j < BATCH; j++) {
+            float dot = 0.0f;
+            for (int i = 0; i < EPL; i++) dot += qv[g][i] * kv[j][i];
+            dot = simd_sum(dot);
+            s[j] = p0 + j < stop ? dot : -INFINITY;
+            top = max(top, s[j]);
+        }
+        const float fade = metal::exp(m[g] - top);
+        l[g] *= fade;
+        for (int i = 0; i < EPL; i++) acc[g][i] *= fade;
+        for (int j = 0; j < BATCH; j++) {
+            const float w = metal::exp(s[j] - top);
+            l[g] += w;
+            for (int i = 0; i < EPL; i++) acc[g][i] += w * vv[j][i];
+        }
         m[g] = top;
     }
 }

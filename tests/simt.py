@@ -91,7 +91,10 @@ static inline float warp_total(float v) {
 namespace mem_flags { constexpr int mem_threadgroup = 0; }
 static inline void threadgroup_barrier(int) { tl_group->bar.wait(); }
 namespace metal { using std::exp; }
-template <typename T, typename U> static inline T as_type(U u) { static_assert(sizeof(T) == sizeof(U)); T t; std::memcpy(&t, &u, sizeof t); return t; }
+template <typename T, typename U> static inline T as_type(U u) {
+    static_assert(sizeof(T) == sizeof(U));
+    T t; std::memcpy(&t, &u, sizeof t); return t;
+}
 static inline float simd_sum(float v) { return warp_total(v); }
 #define thread_index_in_simdgroup (tl_tid.x % 32)
 #define simdgroup_index_in_threadgroup (tl_tid.x / 32)

@@ -40,11 +40,16 @@ def unpack(packed: mx.array, scales: mx.array, biases: mx.array, group_size: int
     codes = (lo >> shift) | (words[..., hi_index] << (np.uint64(32) - shift))
     codes &= np.uint64((1 << bits) - 1)
     groups = np.arange(n) // group_size
-    return np.array(scales, np.float64)[..., groups] * codes + np.array(biases, np.float64)[..., groups]
+    return f64(scales)[..., groups] * codes + f64(biases)[..., groups]
+
+
+def f64(a) -> np.ndarray:
+    """In float64 numpy, via float32 for an mx.array (numpy cannot read bfloat16's buffer)."""
+    return np.asarray(a.astype(mx.float32) if isinstance(a, mx.array) else a, np.float64)
 
 
 def rel_err(got, want) -> float:
-    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    got, want = f64(got), f64(want)
     return float(np.abs(got - want).max() / (np.abs(want).max() + 1e-12))
 
 
@@ -66,7 +71,7 @@ def quantized_experts(experts: int, out: int, inp: int, group_size: int, bits: i
 def float_experts(x, indices, gate, up, down) -> np.ndarray:
     """The expert MLP in float64 numpy over the decoded weights."""
     wg, wu, wd = (unpack(*p) for p in (gate, up, down))
-    x, indices = np.array(x, np.float64), np.array(indices)
+    x, indices = f64(x), np.array(indices)
     out = np.zeros((*indices.shape, x.shape[-1]))
     for t in np.ndindex(indices.shape):
         e, xt = indices[t], x[t[:-1]]
@@ -111,7 +116,7 @@ def test_expert_reference_matches_a_float_computation_and_gather_qmm(bits, group
 
 def float_attention(q, keys, values, scale, group_size, bits) -> np.ndarray:
     k, v = unpack(*keys, group_size, bits), unpack(*values, group_size, bits)
-    q = np.array(q, np.float64)
+    q = f64(q)
     group = q.shape[1] // k.shape[1]
     k, v = np.repeat(k, group, axis=1), np.repeat(v, group, axis=1)
     s = q @ k.swapaxes(-1, -2) * scale
@@ -149,6 +154,25 @@ def test_attention_reference_matches_float_sdpa_and_the_quantized_composite(bits
     assert rel_err(got, composite) < 1e-4
 
 
+@pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16])
+def test_references_take_a_half_model_and_answer_in_its_dtype(dtype):
+    """A float16 / bfloat16 model's inputs (half activations, half scales and biases): the
+    references compute in float32 and round once, so they stay within the output's rounding."""
+    gate, up = (quantized_experts(6, 64, 128, 32, 4) for _ in range(2))
+    down = quantized_experts(6, 128, 64, 32, 4)
+    half = [p._replace(scales=p.scales.astype(dtype), biases=p.biases.astype(dtype)) for p in (gate, up, down)]
+    x, indices = mx.random.normal((2, 128)).astype(dtype), mx.array([[0, 3], [5, 1]], mx.uint32)
+    got = reference.expert_swiglu(x, indices, *half)
+    assert got.dtype == dtype
+    assert rel_err(got, float_experts(x, indices, *half)) < 1e-2
+    keys, values = quantized_kv(1, 2, 300, 64, 32, 4), quantized_kv(1, 2, 300, 64, 32, 4)
+    keys, values = ((w, s.astype(dtype), b.astype(dtype)) for w, s, b in (keys, values))
+    q = mx.random.normal((1, 8, 1, 64)).astype(dtype)
+    got = reference.decode_attention(q, keys, values, 0.125, 32, 4)
+    assert got.dtype == dtype
+    assert rel_err(got, float_attention(q, keys, values, 0.125, 32, 4)) < 1e-2
+
+
 @needs_backend
 @pytest.mark.parametrize("bits", [2, 3, 4, 8])
 @pytest.mark.parametrize("group_size", [32, 64])
@@ -171,12 +195,18 @@ def test_expert_kernel_matches_its_reference(bits, group_size, tokens, k, dtype)
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("group_size", [32, 64])
 @pytest.mark.parametrize("batch, hq, hkv, n, d", ATTENTION_CASES + [(1, 32, 8, 16384, 128)])
-def test_attention_kernel_matches_its_reference(bits, group_size, batch, hq, hkv, n, d):
+@pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16])
+def test_attention_kernel_matches_its_reference(bits, group_size, batch, hq, hkv, n, d, dtype):
     keys = quantized_kv(batch, hkv, n, d, group_size, bits, spare=100)
     values = quantized_kv(batch, hkv, n, d, group_size, bits, spare=100)
-    q, scale = mx.random.normal((batch, hq, 1, d)), d**-0.5
+    if dtype != mx.float32:  # a half model's cache: half scales and biases, half queries
+        keys, values = ((w, s.astype(dtype), b.astype(dtype)) for w, s, b in (keys, values))
+    q, scale = mx.random.normal((batch, hq, 1, d)).astype(dtype), d**-0.5
     got = attention_module.kernel(q, keys, values, scale, group_size, bits)
-    assert rel_err(got, reference.decode_attention(q, keys, values, scale, group_size, bits)) < 1e-4
+    assert got.dtype == dtype and got.shape == q.shape
+    # float32: summation order only; half: the output's own rounding (2^-8 for bfloat16)
+    want = reference.decode_attention(q, keys, values, scale, group_size, bits)
+    assert rel_err(got, want) < (1e-4 if dtype == mx.float32 else 1e-2)
 
 
 def test_dispatch_modes(monkeypatch):
@@ -302,7 +332,7 @@ CUDA_BUILDS = {
         "decode_attention", "body",
         [("q", BF16), ("kw", U32), ("ks", HALF), ("kb", HALF), ("vw", U32), ("vs", HALF), ("vb", HALF)],
         [("o_acc", "float"), ("o_max", "float"), ("o_sum", "float")],
-        [("T", BF16), ("S", HALF), ("D", 128), ("G", 8), ("BITS", 4), ("GS", 64), ("WARPS", 4), ("CHUNK", 256),
+        [("T", BF16), ("S", HALF), ("D", 128), ("G", 8), ("BITS", 4), ("GS", 64), ("WARPS", 4), ("BATCH", 4), ("CHUNK", 256),
          ("SCALE", 1040187392)]),  # 0.125
     "decode_attention merge, bfloat16 out": cuda_source(
         "decode_attention", "merge", [("acc", "float"), ("tops", "float"), ("totals", "float")], [("out", BF16)],
@@ -341,8 +371,8 @@ DIALECTS = ["metal", "cu"]
 @pytest.mark.skipif(shutil.which("g++") is None, reason="no g++ to build the SIMT emulation")
 @pytest.mark.parametrize("dialect", DIALECTS)
 @pytest.mark.parametrize("bits, group_size, hq, hkv, n, d", [
-    (4, 32, 8, 2, 300, 64),  # two splits of 256, the second partial; 4 query rows per KV head
-    (8, 64, 3, 1, 40, 128),  # fewer positions than a split; 3 query rows
+    (4, 32, 8, 2, 302, 64),  # two splits of 256, the second partial and ending mid-batch; 4 query rows per KV head
+    (8, 64, 3, 1, 41, 128),  # fewer positions than a split, ending mid-batch; 3 query rows
 ])
 def test_attention_kernel_source_computes_its_reference(dialect, bits, group_size, hq, hkv, n, d):
     import simt
@@ -359,7 +389,7 @@ def test_attention_kernel_source_computes_its_reference(dialect, bits, group_siz
     parts = simt.run("decode_attention", "body", dialect, inputs,
                      {"o_acc": (hkv, splits, rows, d), "o_max": (hkv, splits, rows), "o_sum": (hkv, splits, rows)},
                      {"T": "float", "S": "float", "D": d, "G": rows, "BITS": bits, "GS": group_size,
-                      "WARPS": attention_module.WARPS, "CHUNK": attention_module.CHUNK,
+                      "WARPS": attention_module.WARPS, "BATCH": attention_module.BATCH, "CHUNK": attention_module.CHUNK,
                       "SCALE": attention_module.float_bits(scale)},
                      grid=(1, hkv, splits), threads=32 * attention_module.WARPS)
     out = simt.run("decode_attention", "merge", dialect,

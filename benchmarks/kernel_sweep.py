@@ -1,0 +1,128 @@
+"""The kernels' launch shapes, swept on a GPU: which WARPS / BATCH / CHUNK and WARPS / ROWS to keep.
+
+    python benchmarks/kernel_sweep.py [--chain 16] [--out benchmarks/results]
+
+The kernels' constants (kernels/attention.py, kernels/experts.py) were chosen by reasoning,
+with no GPU to time them on. One run of this on a GPU times each candidate on the
+benchmark's decode shapes (16K positions of 4-bit KV, 32/4 heads of 128; one token's top 8
+of 128 4-bit experts of 2048/768), each as a chain of calls in one evaluation on inputs
+spread past the GPU's cache (as benchmarks/kernels.py does), and checks each candidate's
+output against the reference, so a candidate that is fast but wrong shows as wrong.
+Writes kernel_sweep.csv. The CPU build has no kernels: there it says so and stops.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.kernels import (  # noqa: E402  (first: lmsp_mlx, which sets up MLX's CPU BLAS)
+    EXPERT_HIDDEN, EXPERTS, GROUP, HEAD_DIM, HIDDEN, KV_HEADS, Q_HEADS, SPREAD, TOP_K, best, nbytes, read_bandwidth,
+)
+import mlx.core as mx  # noqa: E402
+
+from lmsp_mlx import kernels  # noqa: E402
+from lmsp_mlx.kernels import attention, experts, reference  # noqa: E402
+from lmsp_mlx.kernels.dispatch import close  # noqa: E402
+from lmsp_mlx.kernels.quantized import QuantizedExperts  # noqa: E402
+
+ATTENTION = [(w, b, c) for w, b in ((4, 1), (4, 2), (4, 4), (4, 8), (2, 4), (8, 2), (8, 4)) for c in (128, 256, 512)]
+EXPERT = [(4, 4), (4, 2), (4, 1), (8, 2), (8, 1), (2, 4), (2, 8)]
+CONTEXT, BITS = 16384, 4
+
+
+def timed(step, chain: int) -> float:
+    """Seconds per call of a chain of `chain` calls, step(i, previous output)."""
+    def go():
+        out = None
+        for i in range(chain):
+            out = step(i, out)
+        return out
+    mx.eval(go())
+    return min(best(go) for _ in range(5)) / chain
+
+
+def sweep_attention(chain: int, bandwidth: float) -> list[dict]:
+    def cache():
+        packed, scales, biases = mx.quantize(mx.random.normal((1, KV_HEADS, CONTEXT, HEAD_DIM)), GROUP, BITS)
+        return packed, scales.astype(mx.float16), biases.astype(mx.float16)
+
+    one = nbytes(*cache()) * 2
+    copies = max(1, min(chain, -(-SPREAD // one)))
+    caches = [(cache(), cache()) for _ in range(copies)]
+    q0 = mx.random.normal((1, Q_HEADS, 1, HEAD_DIM)).astype(mx.float16)
+    mx.eval(caches, q0)
+    scale = HEAD_DIM**-0.5
+    want = reference.decode_attention(q0, *caches[0], scale, GROUP, BITS)
+    defaults = attention.WARPS, attention.BATCH, attention.CHUNK
+    rows = []
+    for warps, batch, chunk in ATTENTION:
+        attention.WARPS, attention.BATCH, attention.CHUNK = warps, batch, chunk
+        row = {"kernel": "attention", "config": f"WARPS={warps} BATCH={batch} CHUNK={chunk}"}
+        try:
+            right = close(attention.kernel(q0, *caches[0], scale, GROUP, BITS), want, 2e-2)
+            t = timed(lambda i, q: attention.kernel(q0 if q is None else q, *caches[i % copies], scale, GROUP, BITS),
+                      chain)
+            row |= {"us": t * 1e6, "of_bound": t / (one / bandwidth), "agrees": right}
+        except Exception as exc:  # a shape this GPU cannot build (threadgroup memory, registers)
+            row |= {"us": None, "of_bound": None, "agrees": f"failed: {str(exc).splitlines()[0][:120]}"}
+        rows.append(row)
+        print(row, flush=True)
+    attention.WARPS, attention.BATCH, attention.CHUNK = defaults
+    return rows
+
+
+def sweep_experts(chain: int, bandwidth: float) -> list[dict]:
+    def projection(out: int, inp: int) -> QuantizedExperts:
+        w, s, b = mx.quantize(mx.random.normal((EXPERTS, out, inp)) * inp**-0.5, GROUP, BITS)
+        return QuantizedExperts(w, s.astype(mx.float16), b.astype(mx.float16), GROUP, BITS)
+
+    parts = [projection(EXPERT_HIDDEN, HIDDEN), projection(EXPERT_HIDDEN, HIDDEN), projection(HIDDEN, EXPERT_HIDDEN)]
+    x0 = mx.random.normal((1, HIDDEN)).astype(mx.float16)
+    picks = [mx.random.permutation(EXPERTS)[:TOP_K].reshape(1, TOP_K).astype(mx.uint32) for _ in range(chain)]
+    mx.eval(parts, x0, picks)
+    want = reference.expert_swiglu(x0, picks[0], *parts)
+    bound = TOP_K * sum(nbytes(p.weight[0], p.scales[0], p.biases[0]) for p in parts) / bandwidth
+    defaults = experts.WARPS, experts.ROWS
+    rows = []
+    for warps, per in EXPERT:
+        experts.WARPS, experts.ROWS = warps, per
+        row = {"kernel": "expert", "config": f"WARPS={warps} ROWS={per}"}
+        try:
+            right = close(experts.kernel(x0, picks[0], *parts), want, 2e-2)
+            t = timed(lambda i, x: mx.fast.rms_norm(
+                experts.kernel(x0 if x is None else x, picks[i], *parts).sum(axis=-2), None, 1e-5), chain)
+            row |= {"us": t * 1e6, "of_bound": t / bound, "agrees": right}
+        except Exception as exc:
+            row |= {"us": None, "of_bound": None, "agrees": f"failed: {str(exc).splitlines()[0][:120]}"}
+        rows.append(row)
+        print(row, flush=True)
+    experts.WARPS, experts.ROWS = defaults
+    return rows
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--chain", type=int, default=16)
+    p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
+    args = p.parse_args()
+    if kernels.backend() is None:
+        print("this MLX build has neither Metal nor CUDA: no kernels to sweep (the CPU build runs the references)")
+        return
+    bandwidth = read_bandwidth()
+    print(f"{kernels.backend()}: read bandwidth {bandwidth / 1e9:.0f} GB/s, {args.chain} calls per timing", flush=True)
+    rows = sweep_attention(args.chain, bandwidth) + sweep_experts(args.chain, bandwidth)
+    args.out.mkdir(parents=True, exist_ok=True)
+    with open(args.out / "kernel_sweep.csv", "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=["kernel", "config", "us", "of_bound", "agrees"])
+        w.writeheader()
+        w.writerows(rows)
+
+
+if __name__ == "__main__":
+    main()
