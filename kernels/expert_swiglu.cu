@@ -30,7 +30,7 @@ __device__ inline float lmsp_warp_sum(float v) {
 const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
 const int pair = blockIdx.y, token = pair / K;
 const int expert = idx[pair];
-constexpr int CHUNKS = D / 32, WORDS = D * BITS / 32, GROUPS = D / GS;
+constexpr int CHUNKS = D / 32, WORDS = D * BITS / 32, GROUPS = D / GS, TRIPS = (CHUNKS + 31) / 32;
 __shared__ float xs[D];
 __shared__ float xsum[CHUNKS];
 for (int e = threadIdx.x; e < D; e += blockDim.x) xs[e] = static_cast<float>(x[token * D + e]);
@@ -42,17 +42,29 @@ for (int c = threadIdx.x; c < CHUNKS; c += blockDim.x) {
 }
 __syncthreads();
 const int row0 = (blockIdx.x * WARPS + warp) * ROWS;
-for (int r = row0; r < min(row0 + ROWS, H); r++) {
-    const long row = long(expert) * H + r;
-    float g = 0.0f, u = 0.0f;
-    for (int c = lane; c < CHUNKS; c += 32) {
-        const long q = row * GROUPS + c * 32 / GS;
-        g += static_cast<float>(gs[q]) * lmsp_chunk_dot<BITS>(gw + row * WORDS + c * BITS, xs + c * 32) + static_cast<float>(gb[q]) * xsum[c];
-        u += static_cast<float>(us[q]) * lmsp_chunk_dot<BITS>(uw + row * WORDS + c * BITS, xs + c * 32) + static_cast<float>(ub[q]) * xsum[c];
+float g[ROWS], u[ROWS];
+#pragma unroll
+for (int r = 0; r < ROWS; r++) g[r] = u[r] = 0.0f;
+#pragma unroll
+for (int t = 0; t < TRIPS; t++) {
+    const int c = lane + 32 * t;
+    if (c < CHUNKS) {
+        float xc[32];
+#pragma unroll
+        for (int i = 0; i < 32; i++) xc[i] = xs[c * 32 + i];
+#pragma unroll
+        for (int r = 0; r < ROWS; r++) {
+            const long row = long(expert) * H + min(row0 + r, H - 1);
+            const long q = row * GROUPS + c * 32 / GS;
+            g[r] += static_cast<float>(gs[q]) * lmsp_chunk_dot<BITS>(gw + row * WORDS + c * BITS, xc) + static_cast<float>(gb[q]) * xsum[c];
+            u[r] += static_cast<float>(us[q]) * lmsp_chunk_dot<BITS>(uw + row * WORDS + c * BITS, xc) + static_cast<float>(ub[q]) * xsum[c];
+        }
     }
-    g = lmsp_warp_sum(g);
-    u = lmsp_warp_sum(u);
-    if (lane == 0) hid[long(pair) * H + r] = g / (1.0f + __expf(-g)) * u;
+}
+#pragma unroll
+for (int r = 0; r < ROWS; r++) {
+    const float gr = lmsp_warp_sum(g[r]), ur = lmsp_warp_sum(u[r]);
+    if (lane == 0 && row0 + r < H) hid[long(pair) * H + row0 + r] = gr / (1.0f + __expf(-gr)) * ur;
 }
 
 // --- down ---
@@ -60,7 +72,7 @@ for (int r = row0; r < min(row0 + ROWS, H); r++) {
 const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
 const int pair = blockIdx.y;
 const int expert = idx[pair];
-constexpr int CHUNKS = H / 32, WORDS = H * BITS / 32, GROUPS = H / GS;
+constexpr int CHUNKS = H / 32, WORDS = H * BITS / 32, GROUPS = H / GS, TRIPS = (CHUNKS + 31) / 32;
 __shared__ float hs[H];
 __shared__ float hsum[CHUNKS];
 for (int e = threadIdx.x; e < H; e += blockDim.x) hs[e] = hid[long(pair) * H + e];
@@ -72,13 +84,26 @@ for (int c = threadIdx.x; c < CHUNKS; c += blockDim.x) {
 }
 __syncthreads();
 const int row0 = (blockIdx.x * WARPS + warp) * ROWS;
-for (int r = row0; r < min(row0 + ROWS, D); r++) {
-    const long row = long(expert) * D + r;
-    float s = 0.0f;
-    for (int c = lane; c < CHUNKS; c += 32) {
-        const long q = row * GROUPS + c * 32 / GS;
-        s += static_cast<float>(ds[q]) * lmsp_chunk_dot<BITS>(dw + row * WORDS + c * BITS, hs + c * 32) + static_cast<float>(db[q]) * hsum[c];
+float acc[ROWS];
+#pragma unroll
+for (int r = 0; r < ROWS; r++) acc[r] = 0.0f;
+#pragma unroll
+for (int t = 0; t < TRIPS; t++) {
+    const int c = lane + 32 * t;
+    if (c < CHUNKS) {
+        float hc[32];
+#pragma unroll
+        for (int i = 0; i < 32; i++) hc[i] = hs[c * 32 + i];
+#pragma unroll
+        for (int r = 0; r < ROWS; r++) {
+            const long row = long(expert) * D + min(row0 + r, D - 1);
+            const long q = row * GROUPS + c * 32 / GS;
+            acc[r] += static_cast<float>(ds[q]) * lmsp_chunk_dot<BITS>(dw + row * WORDS + c * BITS, hc) + static_cast<float>(db[q]) * hsum[c];
+        }
     }
-    s = lmsp_warp_sum(s);
-    if (lane == 0) y[long(pair) * D + r] = static_cast<Y>(s);
+}
+#pragma unroll
+for (int r = 0; r < ROWS; r++) {
+    const float s = lmsp_warp_sum(acc[r]);
+    if (lane == 0 && row0 + r < D) y[long(pair) * D + row0 + r] = static_cast<Y>(s);
 }

@@ -14,6 +14,12 @@
 // 32 lanes read 32 consecutive chunks, 128 * BITS contiguous bytes, per step. A chunk's dot
 // product with x is scale * sum(code * x) + bias * sum(x), and the sums of x per chunk are
 // computed once per threadgroup, beside x.
+//
+// A simdgroup works its ROWS rows together: for each chunk a lane takes, it copies the 32
+// x values to registers once and reads that chunk of every row (both gate and up), so the
+// loads of all rows are independent and in flight at once (ROWS * 2 * BITS words a lane),
+// instead of one row's waiting on the previous row's reduction. Rows past the end of the
+// matrix re-read its last row and are not written.
 
 // --- header ---
 // W and X are deduced: MLX passes an input of fewer than 8 elements in the constant address
@@ -37,7 +43,7 @@ inline float lmsp_chunk_dot(W w, X x) {
 const uint lane = thread_index_in_simdgroup, warp = simdgroup_index_in_threadgroup;
 const int pair = threadgroup_position_in_grid.y, token = pair / K;
 const int expert = idx[pair];
-constexpr int CHUNKS = D / 32, WORDS = D * BITS / 32, GROUPS = D / GS;
+constexpr int CHUNKS = D / 32, WORDS = D * BITS / 32, GROUPS = D / GS, TRIPS = (CHUNKS + 31) / 32;
 threadgroup float xs[D];
 threadgroup float xsum[CHUNKS];
 for (int e = thread_index_in_threadgroup; e < D; e += threads_per_threadgroup.x) xs[e] = float(x[token * D + e]);
@@ -49,17 +55,24 @@ for (int c = thread_index_in_threadgroup; c < CHUNKS; c += threads_per_threadgro
 }
 threadgroup_barrier(mem_flags::mem_threadgroup);
 const int row0 = (threadgroup_position_in_grid.x * WARPS + warp) * ROWS;
-for (int r = row0; r < min(row0 + ROWS, H); r++) {
-    const long row = long(expert) * H + r;
-    float g = 0.0f, u = 0.0f;
-    for (int c = lane; c < CHUNKS; c += 32) {
-        const long q = row * GROUPS + c * 32 / GS;
-        g += float(gs[q]) * lmsp_chunk_dot<BITS>(gw + row * WORDS + c * BITS, xs + c * 32) + float(gb[q]) * xsum[c];
-        u += float(us[q]) * lmsp_chunk_dot<BITS>(uw + row * WORDS + c * BITS, xs + c * 32) + float(ub[q]) * xsum[c];
+float g[ROWS], u[ROWS];
+for (int r = 0; r < ROWS; r++) g[r] = u[r] = 0.0f;
+for (int t = 0; t < TRIPS; t++) {
+    const int c = int(lane) + 32 * t;
+    if (c < CHUNKS) {
+        float xc[32];
+        for (int i = 0; i < 32; i++) xc[i] = xs[c * 32 + i];
+        for (int r = 0; r < ROWS; r++) {
+            const long row = long(expert) * H + min(row0 + r, H - 1);
+            const long q = row * GROUPS + c * 32 / GS;
+            g[r] += float(gs[q]) * lmsp_chunk_dot<BITS>(gw + row * WORDS + c * BITS, xc) + float(gb[q]) * xsum[c];
+            u[r] += float(us[q]) * lmsp_chunk_dot<BITS>(uw + row * WORDS + c * BITS, xc) + float(ub[q]) * xsum[c];
+        }
     }
-    g = simd_sum(g);
-    u = simd_sum(u);
-    if (lane == 0) hid[long(pair) * H + r] = g / (1.0f + metal::exp(-g)) * u;
+}
+for (int r = 0; r < ROWS; r++) {
+    const float gr = simd_sum(g[r]), ur = simd_sum(u[r]);
+    if (lane == 0 && row0 + r < H) hid[long(pair) * H + row0 + r] = gr / (1.0f + metal::exp(-gr)) * ur;
 }
 
 // --- down ---
@@ -67,7 +80,7 @@ for (int r = row0; r < min(row0 + ROWS, H); r++) {
 const uint lane = thread_index_in_simdgroup, warp = simdgroup_index_in_threadgroup;
 const int pair = threadgroup_position_in_grid.y;
 const int expert = idx[pair];
-constexpr int CHUNKS = H / 32, WORDS = H * BITS / 32, GROUPS = H / GS;
+constexpr int CHUNKS = H / 32, WORDS = H * BITS / 32, GROUPS = H / GS, TRIPS = (CHUNKS + 31) / 32;
 threadgroup float hs[H];
 threadgroup float hsum[CHUNKS];
 for (int e = thread_index_in_threadgroup; e < H; e += threads_per_threadgroup.x) hs[e] = hid[long(pair) * H + e];
@@ -79,13 +92,21 @@ for (int c = thread_index_in_threadgroup; c < CHUNKS; c += threads_per_threadgro
 }
 threadgroup_barrier(mem_flags::mem_threadgroup);
 const int row0 = (threadgroup_position_in_grid.x * WARPS + warp) * ROWS;
-for (int r = row0; r < min(row0 + ROWS, D); r++) {
-    const long row = long(expert) * D + r;
-    float s = 0.0f;
-    for (int c = lane; c < CHUNKS; c += 32) {
-        const long q = row * GROUPS + c * 32 / GS;
-        s += float(ds[q]) * lmsp_chunk_dot<BITS>(dw + row * WORDS + c * BITS, hs + c * 32) + float(db[q]) * hsum[c];
+float acc[ROWS];
+for (int r = 0; r < ROWS; r++) acc[r] = 0.0f;
+for (int t = 0; t < TRIPS; t++) {
+    const int c = int(lane) + 32 * t;
+    if (c < CHUNKS) {
+        float hc[32];
+        for (int i = 0; i < 32; i++) hc[i] = hs[c * 32 + i];
+        for (int r = 0; r < ROWS; r++) {
+            const long row = long(expert) * D + min(row0 + r, D - 1);
+            const long q = row * GROUPS + c * 32 / GS;
+            acc[r] += float(ds[q]) * lmsp_chunk_dot<BITS>(dw + row * WORDS + c * BITS, hc) + float(db[q]) * hsum[c];
+        }
     }
-    s = simd_sum(s);
-    if (lane == 0) y[long(pair) * D + r] = static_cast<Y>(s);
+}
+for (int r = 0; r < ROWS; r++) {
+    const float s = simd_sum(acc[r]);
+    if (lane == 0 && row0 + r < D) y[long(pair) * D + row0 + r] = static_cast<Y>(s);
 }

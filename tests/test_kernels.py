@@ -401,12 +401,16 @@ def test_attention_kernel_source_computes_its_reference(dialect, bits, group_siz
 
 @pytest.mark.skipif(shutil.which("g++") is None, reason="no g++ to build the SIMT emulation")
 @pytest.mark.parametrize("dialect", DIALECTS)
-@pytest.mark.parametrize("bits, group_size, d, h, tokens, k", [
-    (3, 32, 96, 64, 2, 3),  # 3-bit codes cross words; 3 chunks of 32 codes a row, most lanes idle
-    (4, 64, 1088, 128, 1, 2),  # 34 chunks a row: lanes 0 and 1 take a second chunk
+@pytest.mark.parametrize("bits, group_size, d, h, tokens, k, rows_per_warp", [
+    (3, 32, 96, 64, 2, 3, expert_module.ROWS),  # 3-bit codes cross words; 3 chunks a row, most lanes idle
+    (4, 64, 1088, 128, 1, 2, expert_module.ROWS),  # 34 chunks a row: lanes 0 and 1 take a second chunk
+    (2, 32, 96, 64, 1, 2, 3),  # 12 rows a threadgroup: the last one of each matrix runs past its end
 ])
-def test_expert_kernel_sources_compute_their_reference(dialect, bits, group_size, d, h, tokens, k):
+def test_expert_kernel_sources_compute_their_reference(dialect, bits, group_size, d, h, tokens, k, rows_per_warp,
+                                                       monkeypatch):
     import simt
+
+    monkeypatch.setattr(expert_module, "ROWS", rows_per_warp)
 
     experts = 6
     gate, up = (quantized_experts(experts, h, d, group_size, bits) for _ in range(2))
