@@ -18,13 +18,31 @@ __device__ inline void lmsp_unpack(const uint32_t* w, const S* scales, const S* 
     }
 }
 
-__device__ inline float lmsp_warp_sum(float v) {
+// Sums NV per-lane values across the warp, 32 at a time, by recursive halving: in round r
+// lane L ends with the total of value r * 32 + L. 31 shuffles a round, where 32 separate
+// warp sums take 160.
+template <int NV>
+__device__ inline void lmsp_reduce_scatter(const float* in, float* out, int lane) {
 #pragma unroll
-    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-    return v;
+    for (int r = 0; r < (NV + 31) / 32; r++) {
+        float v[32];
+#pragma unroll
+        for (int k = 0; k < 32; k++) v[k] = r * 32 + k < NV ? in[r * 32 + k] : 0.0f;
+#pragma unroll
+        for (int half = 16; half >= 1; half >>= 1) {
+            const bool upper = lane & half;
+#pragma unroll
+            for (int k = 0; k < half; k++) {
+                const float send = upper ? v[k] : v[k + half], keep = upper ? v[k + half] : v[k];
+                v[k] = keep + __shfl_xor_sync(0xffffffffu, send, half);
+            }
+        }
+        out[r] = v[0];
+    }
 }
 
 // --- body ---
+static_assert(BATCH >= 1 && BATCH <= 32 && (BATCH & (BATCH - 1)) == 0, "BATCH: a power of two up to 32");
 constexpr int EPL = D / 32;
 const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
 const int bh = blockIdx.y, split = blockIdx.z, splits = gridDim.z;
@@ -60,30 +78,59 @@ for (int p0 = start + warp * BATCH; p0 < stop; p0 += WARPS * BATCH) {
         lmsp_unpack<BITS, GS, EPL, S>(kwh + p * kw_strides[2], ksh + p * ks_strides[2], kbh + p * kb_strides[2], e0, kv[j]);
         lmsp_unpack<BITS, GS, EPL, S>(vwh + p * vw_strides[2], vsh + p * vs_strides[2], vbh + p * vb_strides[2], e0, vv[j]);
     }
+    // The batch's G * BATCH dot products: each lane's share, then one reduce-scatter, after
+    // which lane L of round r holds the score of (g, j) = divmod(r * 32 + L, BATCH).
+    constexpr int NV = G * BATCH, ROUNDS = (NV + 31) / 32;
+    float dots[NV], own[ROUNDS], best[ROUNDS], w[ROUNDS];
 #pragma unroll
     for (int g = 0; g < G; g++) {
-        float s[BATCH], top = m[g];
 #pragma unroll
         for (int j = 0; j < BATCH; j++) {
             float dot = 0.0f;
 #pragma unroll
             for (int i = 0; i < EPL; i++) dot += qv[g][i] * kv[j][i];
-            dot = lmsp_warp_sum(dot);
-            s[j] = p0 + j < stop ? dot : neg_inf;
-            top = fmaxf(top, s[j]);
+            dots[g * BATCH + j] = dot;
         }
-        const float fade = __expf(m[g] - top);
+    }
+    lmsp_reduce_scatter<NV>(dots, own, lane);
+    // Each query row's batch maximum: over its BATCH neighbouring lanes.
+#pragma unroll
+    for (int r = 0; r < ROUNDS; r++) {
+        const int idx = r * 32 + lane;
+        if (idx >= NV || p0 + idx % BATCH >= stop) own[r] = neg_inf;
+        best[r] = own[r];
+#pragma unroll
+        for (int o = 1; o < BATCH; o <<= 1) best[r] = fmaxf(best[r], __shfl_xor_sync(0xffffffffu, best[r], o));
+    }
+    // Every lane keeps every row's running state: rescale it to the new maxima.
+    float top[G];
+#pragma unroll
+    for (int g = 0; g < G; g++) {
+        top[g] = fmaxf(m[g], __shfl_sync(0xffffffffu, best[g * BATCH / 32], g * BATCH % 32));
+        const float fade = __expf(m[g] - top[g]);
         l[g] *= fade;
 #pragma unroll
         for (int i = 0; i < EPL; i++) acc[g][i] *= fade;
+        m[g] = top[g];
+    }
+    // Each lane weighs its own score, then every weight goes to every lane for its V share.
+#pragma unroll
+    for (int r = 0; r < ROUNDS; r++) {
+        const int row = (r * 32 + lane) / BATCH;
+        float t = 0.0f;
+#pragma unroll
+        for (int g = 0; g < G; g++) t = row == g ? top[g] : t;
+        w[r] = own[r] == neg_inf ? 0.0f : __expf(own[r] - t);
+    }
+#pragma unroll
+    for (int g = 0; g < G; g++) {
 #pragma unroll
         for (int j = 0; j < BATCH; j++) {
-            const float w = __expf(s[j] - top);
-            l[g] += w;
+            const float wj = __shfl_sync(0xffffffffu, w[(g * BATCH + j) / 32], (g * BATCH + j) % 32);
+            l[g] += wj;
 #pragma unroll
-            for (int i = 0; i < EPL; i++) acc[g][i] += w * vv[j][i];
+            for (int i = 0; i < EPL; i++) acc[g][i] += wj * vv[j][i];
         }
-        m[g] = top;
     }
 }
 

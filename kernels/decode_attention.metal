@@ -3,9 +3,15 @@
 //
 // One threadgroup per (batch, KV head, split of CHUNK positions); its WARPS simdgroups take
 // batches of BATCH positions round-robin, and the 32 lanes of a simdgroup split the head
-// dimension (EPL values each). For each position the lanes unpack that position's K and V once and use
-// them for all G query heads of the group (grouped-query attention), keeping an online
-// softmax (running max, sum, weighted V) per head in registers: no score row is stored.
+// dimension (EPL values each). The lanes unpack each position's K and V once and use them
+// for all G query heads of the group (grouped-query attention), keeping an online softmax
+// (running max, sum, weighted V) per head in registers: no score row is stored.
+//
+// The batch's G * BATCH scores are summed across the lanes in one reduce-scatter (each
+// lane ends with one score), so each lane takes one exp for its score and the weights
+// travel back by shuffles: at G = 8 that is about 75 shuffles and G + 1 exps a batch of
+// 4, where a warp sum per score took 160 shuffles and 40 exps. The score arithmetic, not
+// the reads, bounds this kernel for large query groups.
 // The simdgroups' states are merged in threadgroup memory; the splits' partial results
 // (max, sum, unnormalised output) are merged by the second kernel, `merge`, flash-decoding
 // style. Two launches in all: at decode sizes a launch costs about what the reads do.
@@ -26,7 +32,27 @@ inline void lmsp_unpack(W w, P scales, P biases, int e0, thread float* out) {
     }
 }
 
+// Sums NV per-lane values across the simdgroup, 32 at a time, by recursive halving: in
+// round r lane L ends with the total of value r * 32 + L. 31 shuffles a round, where 32
+// separate simd_sums would each reduce all 32 lanes.
+template <int NV>
+inline void lmsp_reduce_scatter(thread const float* in, thread float* out, uint lane) {
+    for (int r = 0; r < (NV + 31) / 32; r++) {
+        float v[32];
+        for (int k = 0; k < 32; k++) v[k] = r * 32 + k < NV ? in[r * 32 + k] : 0.0f;
+        for (int half = 16; half >= 1; half >>= 1) {
+            const bool upper = lane & half;
+            for (int k = 0; k < half; k++) {
+                const float send = upper ? v[k] : v[k + half], keep = upper ? v[k + half] : v[k];
+                v[k] = keep + simd_shuffle_xor(send, ushort(half));
+            }
+        }
+        out[r] = v[0];
+    }
+}
+
 // --- body ---
+static_assert(BATCH >= 1 && BATCH <= 32 && (BATCH & (BATCH - 1)) == 0, "BATCH: a power of two up to 32");
 constexpr int EPL = D / 32;
 const uint lane = thread_index_in_simdgroup;
 const uint warp = simdgroup_index_in_threadgroup;
@@ -62,24 +88,47 @@ for (int p0 = start + int(warp) * BATCH; p0 < stop; p0 += WARPS * BATCH) {
         lmsp_unpack<BITS, GS, EPL>(kwh + p * kw_strides[2], ksh + p * ks_strides[2], kbh + p * kb_strides[2], e0, kv[j]);
         lmsp_unpack<BITS, GS, EPL>(vwh + p * vw_strides[2], vsh + p * vs_strides[2], vbh + p * vb_strides[2], e0, vv[j]);
     }
+    // The batch's G * BATCH dot products: each lane's share, then one reduce-scatter, after
+    // which lane L of round r holds the score of (g, j) = divmod(r * 32 + L, BATCH).
+    constexpr int NV = G * BATCH, ROUNDS = (NV + 31) / 32;
+    float dots[NV], own[ROUNDS], best[ROUNDS], w[ROUNDS];
     for (int g = 0; g < G; g++) {
-        float s[BATCH], top = m[g];
         for (int j = 0; j < BATCH; j++) {
             float dot = 0.0f;
             for (int i = 0; i < EPL; i++) dot += qv[g][i] * kv[j][i];
-            dot = simd_sum(dot);
-            s[j] = p0 + j < stop ? dot : -INFINITY;
-            top = max(top, s[j]);
+            dots[g * BATCH + j] = dot;
         }
-        const float fade = metal::exp(m[g] - top);
+    }
+    lmsp_reduce_scatter<NV>(dots, own, lane);
+    // Each query row's batch maximum: over its BATCH neighbouring lanes.
+    for (int r = 0; r < ROUNDS; r++) {
+        const int idx = r * 32 + int(lane);
+        if (idx >= NV || p0 + idx % BATCH >= stop) own[r] = -INFINITY;
+        best[r] = own[r];
+        for (int o = 1; o < BATCH; o <<= 1) best[r] = max(best[r], simd_shuffle_xor(best[r], ushort(o)));
+    }
+    // Every lane keeps every row's running state: rescale it to the new maxima.
+    float top[G];
+    for (int g = 0; g < G; g++) {
+        top[g] = max(m[g], simd_shuffle(best[g * BATCH / 32], ushort(g * BATCH % 32)));
+        const float fade = metal::exp(m[g] - top[g]);
         l[g] *= fade;
         for (int i = 0; i < EPL; i++) acc[g][i] *= fade;
+        m[g] = top[g];
+    }
+    // Each lane weighs its own score, then every weight goes to every lane for its V share.
+    for (int r = 0; r < ROUNDS; r++) {
+        const int row = (r * 32 + int(lane)) / BATCH;
+        float t = 0.0f;
+        for (int g = 0; g < G; g++) t = row == g ? top[g] : t;
+        w[r] = own[r] == -INFINITY ? 0.0f : metal::exp(own[r] - t);
+    }
+    for (int g = 0; g < G; g++) {
         for (int j = 0; j < BATCH; j++) {
-            const float w = metal::exp(s[j] - top);
-            l[g] += w;
-            for (int i = 0; i < EPL; i++) acc[g][i] += w * vv[j][i];
+            const float wj = simd_shuffle(w[(g * BATCH + j) / 32], ushort((g * BATCH + j) % 32));
+            l[g] += wj;
+            for (int i = 0; i < EPL; i++) acc[g][i] += wj * vv[j][i];
         }
-        m[g] = top;
     }
 }
 

@@ -96,6 +96,9 @@ template <typename T, typename U> static inline T as_type(U u) {
     T t; std::memcpy(&t, &u, sizeof t); return t;
 }
 static inline float simd_sum(float v) { return warp_total(v); }
+typedef unsigned short ushort;
+static inline float simd_shuffle_xor(float v, ushort mask) { return lane_exchange(v, (tl_tid.x % 32) ^ mask); }
+static inline float simd_shuffle(float v, ushort from) { return lane_exchange(v, from); }
 #define thread_index_in_simdgroup (tl_tid.x % 32)
 #define simdgroup_index_in_threadgroup (tl_tid.x / 32)
 #define thread_index_in_threadgroup (tl_tid.x)
@@ -110,6 +113,7 @@ static inline float simd_sum(float v) { return warp_total(v); }
 namespace cuda { namespace std { using ::std::numeric_limits; } }
 static inline void __syncthreads() { tl_group->bar.wait(); }
 static inline float __shfl_xor_sync(unsigned, float v, int o) { return lane_exchange(v, (tl_tid.x % 32) ^ o); }
+static inline float __shfl_sync(unsigned, float v, int from) { return lane_exchange(v, from); }
 #define __expf(x) std::exp(x)  // a macro: glibc declares an __expf of its own
 static inline float __int_as_float(int v) { return as_type<float>(v); }
 #define threadIdx (tl_tid)

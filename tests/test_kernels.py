@@ -370,12 +370,18 @@ DIALECTS = ["metal", "cu"]
 
 @pytest.mark.skipif(shutil.which("g++") is None, reason="no g++ to build the SIMT emulation")
 @pytest.mark.parametrize("dialect", DIALECTS)
-@pytest.mark.parametrize("bits, group_size, hq, hkv, n, d", [
-    (4, 32, 8, 2, 302, 64),  # two splits of 256, the second partial and ending mid-batch; 4 query rows per KV head
-    (8, 64, 3, 1, 41, 128),  # fewer positions than a split, ending mid-batch; 3 query rows
+@pytest.mark.parametrize("bits, group_size, hq, hkv, n, d, batch", [
+    # two splits of 256, the second partial and ending mid-batch; 4 query rows per KV head
+    (4, 32, 8, 2, 302, 64, attention_module.BATCH),
+    (8, 64, 3, 1, 41, 128, attention_module.BATCH),  # fewer positions than a split, ending mid-batch; 3 rows
+    (4, 64, 32, 4, 263, 128, 4),  # 8 rows x 4 positions: the 32 scores fill one reduce-scatter round
+    (4, 32, 16, 1, 45, 64, 8),  # 16 rows x 8 positions: two rounds, maxima over groups of 8 lanes
+    (8, 32, 2, 2, 9, 32, 1),  # one row, one position a batch
 ])
-def test_attention_kernel_source_computes_its_reference(dialect, bits, group_size, hq, hkv, n, d):
+def test_attention_kernel_source_computes_its_reference(dialect, bits, group_size, hq, hkv, n, d, batch, monkeypatch):
     import simt
+
+    monkeypatch.setattr(attention_module, "BATCH", batch)
 
     # A padded cache buffer and the views of its first n positions that the kernel reads.
     buffers = {p: [np.array(a) for a in mx.quantize(mx.random.normal((1, hkv, n + 37, d)), group_size, bits)]
