@@ -29,10 +29,12 @@ __device__ inline void lmsp_reduce_scatter(const float* in, float* out, int lane
 #pragma unroll
         for (int k = 0; k < 32; k++) v[k] = r * 32 + k < NV ? in[r * 32 + k] : 0.0f;
 #pragma unroll
-        for (int half = 16; half >= 1; half >>= 1) {
+        for (int step = 0; step < 5; step++) {  // counted, not shifted: the compiler unrolls it
+            const int half = 16 >> step;
             const bool upper = lane & half;
 #pragma unroll
-            for (int k = 0; k < half; k++) {
+            for (int k = 0; k < 16; k++) {  // a fixed count (k < half inside) unrolls fully
+                if (k >= half) break;
                 const float send = upper ? v[k] : v[k + half], keep = upper ? v[k + half] : v[k];
                 v[k] = keep + __shfl_xor_sync(0xffffffffu, send, half);
             }
