@@ -354,12 +354,15 @@ CUDA_BUILDS = {
 def test_cuda_twins_compile_as_mlx_assembles_them(case, tmp_path):
     """Without a GPU the CUDA kernels cannot run here, but they can be compiled the way MLX's
     CUDA backend assembles them (for an H100/H200, sm_90): no syntax, type or template error
-    waits for the first user."""
+    waits for the first user. And ptxas's resource report shows every per-thread array in
+    registers: a local-memory frame or a spill (an array indexed by what the compiler
+    could not unroll, too many live values) would put the hot loop in memory."""
     source = tmp_path / "kernel.cu"
     source.write_text(CUDA_BUILDS[case])
-    done = subprocess.run(["nvcc", "-std=c++17", "-arch=sm_90", "-c", str(source), "-o", str(tmp_path / "kernel.o")],
-                          capture_output=True, text=True, timeout=300)
+    done = subprocess.run(["nvcc", "-std=c++17", "-arch=sm_90", "-Xptxas", "-v", "-c", str(source),
+                           "-o", str(tmp_path / "kernel.o")], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
+    assert "0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads" in done.stderr, done.stderr
 
 
 # The kernel bodies themselves, run on the CPU by tests/simt.py (one OS thread per GPU
