@@ -6,8 +6,27 @@
 // kernel, `merge`.
 
 // --- header ---
+// A lane's EPL values of one cached row. Where they span at most 32 bits (head sizes up to
+// 256 at 4 bits, 128 at 8) the lane loads its one or two words and its group's scale and
+// bias once, and cuts the codes out of a 64-bit window; wider spans go value by value.
 template <int BITS, int GS, int EPL, typename S>
 __device__ inline void lmsp_unpack(const uint32_t* w, const S* scales, const S* biases, int e0, float* out) {
+    constexpr int SPAN = EPL * BITS;  // also the row's length in words: D = 32 * EPL
+    constexpr bool ONE_GROUP = GS % EPL == 0;  // a lane's values never cross a group
+    if (SPAN <= 32) {
+        const int bit0 = e0 * BITS, first = bit0 >> 5, base = bit0 & 31;
+        uint64_t window = w[first];
+        if (32 % SPAN != 0 && first + 1 < SPAN) window |= uint64_t(w[first + 1]) << 32;  // may straddle
+        const float s0 = static_cast<float>(scales[e0 / GS]), b0 = static_cast<float>(biases[e0 / GS]);
+#pragma unroll
+        for (int i = 0; i < EPL; i++) {
+            const float code = static_cast<float>(uint32_t(window >> (base + i * BITS)) & ((1u << BITS) - 1u));
+            const int group = (e0 + i) / GS;
+            out[i] = ONE_GROUP ? s0 * code + b0
+                               : static_cast<float>(scales[group]) * code + static_cast<float>(biases[group]);
+        }
+        return;
+    }
 #pragma unroll
     for (int i = 0; i < EPL; i++) {
         int e = e0 + i, off = e * BITS, word = off >> 5, shift = off & 31;

@@ -21,8 +21,25 @@
 // --- header ---
 // W and P are deduced: MLX passes an input of fewer than 8 elements in the constant address
 // space instead of device memory (a 1-token cache with one KV head), so no space is spelled out.
+// A lane's EPL values of one cached row. Where they span at most 32 bits (head sizes up to
+// 256 at 4 bits, 128 at 8) the lane loads its one or two words and its group's scale and
+// bias once, and cuts the codes out of a 64-bit window; wider spans go value by value.
 template <int BITS, int GS, int EPL, typename W, typename P>
 inline void lmsp_unpack(W w, P scales, P biases, int e0, thread float* out) {
+    constexpr int SPAN = EPL * BITS;  // also the row's length in words: D = 32 * EPL
+    constexpr bool ONE_GROUP = GS % EPL == 0;  // a lane's values never cross a group
+    if (SPAN <= 32) {
+        const int bit0 = e0 * BITS, first = bit0 >> 5, base = bit0 & 31;
+        ulong window = w[first];
+        if (32 % SPAN != 0 && first + 1 < SPAN) window |= ulong(w[first + 1]) << 32;  // may straddle
+        const float s0 = float(scales[e0 / GS]), b0 = float(biases[e0 / GS]);
+        for (int i = 0; i < EPL; i++) {
+            const float code = float(uint32_t(window >> (base + i * BITS)) & ((1u << BITS) - 1u));
+            const int group = (e0 + i) / GS;
+            out[i] = ONE_GROUP ? s0 * code + b0 : float(scales[group]) * code + float(biases[group]);
+        }
+        return;
+    }
     for (int i = 0; i < EPL; i++) {
         int e = e0 + i, off = e * BITS, word = off >> 5, shift = off & 31;
         uint32_t v = w[word] >> shift;

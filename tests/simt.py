@@ -46,6 +46,7 @@ PRELUDE = r"""
 using std::max; using std::min;
 using Thread = std::thread;  // before the Metal keywords below become macros
 typedef unsigned int uint;
+typedef unsigned long ulong;
 struct uint3 { uint x, y, z; };
 // A barrier that gives up after 10 s (threads that diverge at a barrier or a simd
 // operation would otherwise hang the test): the launch then reports failure.

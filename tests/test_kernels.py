@@ -380,6 +380,9 @@ DIALECTS = ["metal", "cu"]
     (4, 64, 32, 4, 263, 128, 4),  # 8 rows x 4 positions: the 32 scores fill one reduce-scatter round
     (4, 32, 16, 1, 45, 64, 8),  # 16 rows x 8 positions: two rounds, maxima over groups of 8 lanes
     (8, 32, 2, 2, 9, 32, 1),  # one row, one position a batch
+    (4, 32, 4, 2, 70, 96, 4),  # 3 values a lane: 12-bit spans straddle words, some lanes cross groups
+    (8, 32, 2, 1, 37, 96, 4),  # 24-bit spans
+    (8, 64, 2, 1, 33, 256, 4),  # 64-bit spans: value by value
 ])
 def test_attention_kernel_source_computes_its_reference(dialect, bits, group_size, hq, hkv, n, d, batch, monkeypatch):
     import simt
