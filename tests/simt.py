@@ -13,6 +13,9 @@ a small emulation of the SIMT model:
 The signature is assembled as MLX assembles it: inputs, their `_shape`/`_strides` where
 the body names them, outputs, and template args as constants at the top of the body.
 
+Metal bodies are compiled as C++14, the language Metal's (MSL 3) is based on, so a later
+C++ feature in them fails here; CUDA bodies as C++17, as MLX's NVRTC builds take them.
+
 What this cannot check: address spaces, memory ordering beyond the barriers, half and
 bfloat16 arithmetic (float only here), the GPUs' exp and fused multiply-adds, and
 performance. It checks the indexing, the synchronisation structure and the math.
@@ -93,7 +96,7 @@ namespace mem_flags { constexpr int mem_threadgroup = 0; }
 static inline void threadgroup_barrier(int) { tl_group->bar.wait(); }
 namespace metal { using std::exp; }
 template <typename T, typename U> static inline T as_type(U u) {
-    static_assert(sizeof(T) == sizeof(U));
+    static_assert(sizeof(T) == sizeof(U), "as_type: same size");
     T t; std::memcpy(&t, &u, sizeof t); return t;
 }
 static inline float simd_sum(float v) { return warp_total(v); }
@@ -179,7 +182,8 @@ def run(stem: str, section: str, dialect: str, inputs: dict[str, np.ndarray], ou
     return 0;
 }}
 """)
-    lib = _build(code)
+    # Metal's language is C++14 (MSL 3); MLX's NVRTC builds take C++17
+    lib = _build(code, "c++14" if dialect == "metal" else "c++17")
     results = {name: np.zeros(shape, np.float32) for name, shape in outputs.items()}
     ins = (ctypes.c_void_p * len(inputs))(*[a.ctypes.data for a in inputs.values()])
     outs = (ctypes.c_void_p * len(results))(*[a.ctypes.data for a in results.values()])
@@ -192,11 +196,11 @@ _built: dict[str, ctypes.CDLL] = {}
 _scratch = tempfile.TemporaryDirectory(prefix="simt-")  # removed when the test process exits
 
 
-def _build(code: str) -> ctypes.CDLL:
-    key = hashlib.sha1(code.encode()).hexdigest()
+def _build(code: str, std: str) -> ctypes.CDLL:
+    key = hashlib.sha1((std + code).encode()).hexdigest()
     if key not in _built:
         out = Path(_scratch.name) / f"k{key[:12]}.so"
-        done = subprocess.run(["g++", "-std=c++20", "-O1", "-w", "-shared", "-fPIC", "-pthread", "-x", "c++", "-",
+        done = subprocess.run(["g++", f"-std={std}", "-O1", "-w", "-shared", "-fPIC", "-pthread", "-x", "c++", "-",
                                "-o", str(out)], input=code, capture_output=True, text=True, timeout=300)
         if done.returncode:
             raise RuntimeError(f"the kernel does not compile as C++:\n{done.stderr[:4000]}")

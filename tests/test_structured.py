@@ -100,6 +100,12 @@ def test_every_reply_validates_against_its_schema(server, name, temperature):
     r = ask_json(server, SCHEMAS[name], temperature, max_tokens=300 if temperature == 0 else 1500)
     assert r.status_code == 200, r.text
     resp = r.json()
+    if temperature == 1 and resp["status"] == "incomplete":
+        # Even 1500 tokens can run out inside an integer (one CI run wrote "age" until the
+        # limit): the documented case (README, "The token limit mid-JSON"), and the only
+        # one accepted here: the partial reply ends in a run of hundreds of digits.
+        assert re.search(r"[0-9]{500,}$", message_text(resp)), message_text(resp)[-300:]
+        return
     assert resp["status"] == "completed", resp
     jsonschema.validate(json.loads(message_text(resp)), SCHEMAS[name])
 
