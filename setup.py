@@ -20,12 +20,12 @@ if sys.platform.startswith("linux"):
             optional=True,
         )
     )
-    # The fused decode step (OpenMP across the cores); its own module, so a compiler
-    # without OpenMP loses only this, not the BLAS shim.
+    # The fused decode step and the quantized MoE experts (OpenMP across the cores); their
+    # own module, so a compiler without OpenMP loses only these, not the BLAS shim.
     ext_modules.append(
         Extension(
             "lmsp_mlx.cpu_blas._decode",
-            sources=["lmsp_mlx/cpu_blas/decode.c"],
+            sources=["lmsp_mlx/cpu_blas/decode.c", "lmsp_mlx/cpu_blas/experts.c"],
             depends=["lmsp_mlx/cpu_blas/simd.h", "lmsp_mlx/cpu_blas/model.h"],
             extra_compile_args=["-O3", "-fopenmp"],
             extra_link_args=["-fopenmp"],

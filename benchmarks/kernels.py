@@ -10,8 +10,8 @@ experts of hidden 768, top 8; 32 query heads over 4 KV heads of 128):
   bits, group 64. Built-in: mlx-lm's quantized_scaled_dot_product_attention (two
   mx.quantized_matmul around a softmax over the whole score row).
 
-"ours" is the kernel where MLX has Metal or CUDA and the pure-MLX reference elsewhere;
-the `path` column says which ran, read off the dispatch's counters (a kernel that failed
+"ours" is the kernel where MLX has Metal or CUDA; on the CPU build it is the compiled CPU
+expert kernel (kernels/cpu.py) and the attention reference. The `path` column says which ran, read off the dispatch's counters (a kernel that failed
 its first-call check shows as the reference). One timing is a chain of --chain calls in
 one evaluation, each call's input the previous call's output (for the experts, through
 the MoE block's sum over experts and an RMSNorm; both sides pay for those), as in a
@@ -50,6 +50,9 @@ from lmsp_mlx import kernels  # noqa: E402
 from lmsp_mlx.kernels.quantized import QuantizedExperts  # noqa: E402
 
 HIDDEN, EXPERT_HIDDEN, EXPERTS, TOP_K = 2048, 768, 128, 8
+# What the loader gives each build: a half model on a GPU; float32 on the CPU build, where
+# every floating parameter is made float32 (the compiled CPU expert kernel reads that).
+DTYPE = mx.float16 if kernels.backend() else mx.float32
 Q_HEADS, KV_HEADS, HEAD_DIM = 32, 4, 128
 GROUP = 64
 
@@ -95,14 +98,14 @@ SPREAD = 256 << 20  # bytes the timed reads are spread over: several times any G
 def expert_case(bits: int, repeats: int, chain: int, bandwidth: float) -> dict:
     def projection(out: int, inp: int) -> QuantizedSwitchLinear:
         layer = QuantizedSwitchLinear(inp, out, EXPERTS, bias=False, group_size=GROUP, bits=bits)
-        layer.scales, layer.biases = layer.scales.astype(mx.float16), layer.biases.astype(mx.float16)
+        layer.scales, layer.biases = layer.scales.astype(DTYPE), layer.biases.astype(DTYPE)
         return layer
 
     layer = SwitchGLU(HIDDEN, EXPERT_HIDDEN, EXPERTS)
     layer.gate_proj, layer.up_proj = projection(EXPERT_HIDDEN, HIDDEN), projection(EXPERT_HIDDEN, HIDDEN)
     layer.down_proj = projection(HIDDEN, EXPERT_HIDDEN)
     mx.eval(layer.parameters())
-    x0 = mx.random.normal((1, HIDDEN)).astype(mx.float16)
+    x0 = mx.random.normal((1, HIDDEN)).astype(DTYPE)
     picks = [mx.random.permutation(EXPERTS)[:TOP_K].reshape(1, TOP_K).astype(mx.uint32) for _ in range(chain)]
     mx.eval(x0, picks)
     parts = [QuantizedExperts.of(p) for p in (layer.gate_proj, layer.up_proj, layer.down_proj)]
@@ -129,12 +132,12 @@ def expert_case(bits: int, repeats: int, chain: int, bandwidth: float) -> dict:
 def attention_case(context: int, bits: int, repeats: int, chain: int, bandwidth: float) -> dict:
     def cache() -> tuple[mx.array, mx.array, mx.array]:
         packed, scales, biases = mx.quantize(mx.random.normal((1, KV_HEADS, context, HEAD_DIM)), GROUP, bits)
-        return packed, scales.astype(mx.float16), biases.astype(mx.float16)
+        return packed, scales.astype(DTYPE), biases.astype(DTYPE)
 
     one = nbytes(*cache()) * 2
     copies = max(1, min(chain, -(-SPREAD // one)))
     caches = [(cache(), cache()) for _ in range(copies)]
-    q0 = mx.random.normal((1, Q_HEADS, 1, HEAD_DIM)).astype(mx.float16)
+    q0 = mx.random.normal((1, Q_HEADS, 1, HEAD_DIM)).astype(DTYPE)
     mx.eval(caches, q0)
     scale = HEAD_DIM**-0.5
 
@@ -187,7 +190,8 @@ def main() -> None:
 
     backend = kernels.backend()
     chain = args.chain or (16 if backend else 1)
-    path_name = f"kernel on {backend}" if backend else "reference (no Metal or CUDA: CPU build)"
+    path_name = (f"kernel on {backend}" if backend
+                 else "CPU build: experts.c for the experts where built, the reference for attention")
     print(f"device: {mx.default_device()}, ours: {path_name}, {chain} calls per timing", flush=True)
     bandwidth = read_bandwidth()
     print(f"read bandwidth {bandwidth / 1e9:.0f} GB/s", flush=True)

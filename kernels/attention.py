@@ -8,8 +8,8 @@ Every query position sees all N cached positions, as in a decode step.
 The kernel (decode_attention.metal / .cu) reads K and V where the cache keeps them (the
 views' strides, no copy), in splits of CHUNK positions across the GPU; a second, small
 kernel merges the splits' partial softmax states. Shapes it does not take (head sizes
-that are not a multiple of 32, more than 1024 query values per KV head) go to the
-reference.
+that are not a multiple of 32, more than 1024 query values per KV head) go to MLX's
+built-in path (the dispatch's `builtin`).
 """
 
 from __future__ import annotations
@@ -29,10 +29,11 @@ BATCH = 4  # positions a simdgroup loads together
 
 
 def _fits(queries: mx.array, keys, group_size: int, bits: int) -> bool:
-    _, hq, length, d = queries.shape
+    b, hq, length, d = queries.shape
     hkv = keys[0].shape[1]
     return (d % 32 == 0 and d % group_size == 0 and hq % hkv == 0 and (hq // hkv) * length * d <= 1024
-            and bits in KV_BITS and group_size in GROUP_SIZES and keys[0].shape[2] > 0)
+            and bits in KV_BITS and group_size in GROUP_SIZES and keys[0].shape[2] > 0
+            and b * hq * length < 65536 and -(-keys[0].shape[2] // CHUNK) < 65536)  # CUDA's grid y and z limits
 
 
 def kernel(queries, keys, values, scale: float, group_size: int, bits: int) -> mx.array:
@@ -78,13 +79,12 @@ def _config(queries, keys, values, scale, group_size, bits) -> tuple:
             group_size, str(keys[1].dtype), str(queries.dtype), float_bits(scale))
 
 
-def _kernel_or_reference(queries, keys, values, scale, group_size, bits):
-    if not _fits(queries, keys, group_size, bits):
-        return reference.decode_attention(queries, keys, values, scale, group_size, bits)
-    return kernel(queries, keys, values, scale, group_size, bits)
+def _takes(queries, keys, values, scale, group_size, bits) -> bool:
+    return _fits(queries, keys, group_size, bits)
 
 
 # Half outputs round to 2^-8 (bfloat16); float32 allows for the reference's matmuls
 # running as TF32 (see experts.py).
-decode_attention = Dispatch("decode_attention", _kernel_or_reference, reference.decode_attention, _config,
-                            lambda got, want: close(got, want, 2e-2 if got.dtype != mx.float32 else 5e-3))
+decode_attention = Dispatch("decode_attention", kernel, reference.decode_attention, _config,
+                            lambda got, want: close(got, want, 2e-2 if got.dtype != mx.float32 else 5e-3),
+                            fits=_takes)

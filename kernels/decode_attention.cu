@@ -49,13 +49,13 @@ __device__ inline void lmsp_reduce_scatter(const float* in, float* out, int lane
         for (int k = 0; k < 32; k++) v[k] = r * 32 + k < NV ? in[r * 32 + k] : 0.0f;
 #pragma unroll
         for (int step = 0; step < 5; step++) {  // counted, not shifted: the compiler unrolls it
-            const int half = 16 >> step;
-            const bool upper = lane & half;
+            const int width = 16 >> step;  // not `half`: a type in Metal
+            const bool upper = lane & width;
 #pragma unroll
-            for (int k = 0; k < 16; k++) {  // a fixed count (k < half inside) unrolls fully
-                if (k >= half) break;
-                const float send = upper ? v[k] : v[k + half], keep = upper ? v[k + half] : v[k];
-                v[k] = keep + __shfl_xor_sync(0xffffffffu, send, half);
+            for (int k = 0; k < 16; k++) {  // a fixed count (k < width inside) unrolls fully
+                if (k >= width) break;
+                const float send = upper ? v[k] : v[k + width], keep = upper ? v[k + width] : v[k];
+                v[k] = keep + __shfl_xor_sync(0xffffffffu, send, width);
             }
         }
         out[r] = v[0];

@@ -1,14 +1,18 @@
-"""Kernel or reference: which one runs, decided once per kernel and shape.
+"""Kernel, MLX's built-in path or reference: which one runs, decided once per kernel and shape.
 
 `LMSP_KERNELS` chooses:
-- `auto` (default): the kernel where its backend exists (Metal on Apple silicon, CUDA
-  under MLX's CUDA backend), the reference elsewhere. The first call of each kernel
-  configuration (shapes, bit width, dtypes) also runs the reference and compares: a
-  kernel that fails to compile or disagrees is logged once and replaced by the reference
-  for that configuration, so a driver or toolchain we never ran cannot give wrong tokens.
-- `reference`: always the reference (what the CPU build runs).
-- `kernel`: always the kernel, no check and no fallback (tests and benchmarks); an error
-  where no backend exists.
+- `auto` (default): the kernel where one exists for this build and takes the shape
+  (Metal on Apple silicon, CUDA under MLX's CUDA backend; for the experts also the
+  compiled CPU kernel of the Linux build, kernels/cpu.py), and elsewhere MLX's built-in
+  path, as mlx-lm runs it (the caller passes it as `builtin`). The first call of each
+  kernel configuration (shapes, bit width, dtypes) also runs the reference and compares:
+  a kernel that fails to compile or disagrees is logged once and not used for that
+  configuration, so a driver or toolchain we never ran cannot give wrong tokens.
+  Not the reference: on the CPU build, where everything is float32, MLX's quantized
+  built-ins are 3-16x faster than it (README, "Custom kernels").
+- `reference`: always the pure-MLX reference (tests: what each kernel must compute).
+- `kernel`: always the kernel where it takes the shape, no check (tests and benchmarks);
+  an error where this build has none.
 - `off`: no swaps at all: mlx-lm's own layers (install.py), for comparison.
 """
 
@@ -45,41 +49,55 @@ def mode() -> str:
 
 
 class Dispatch:
-    """Runs `kernel(*args)` or `reference(*args)` as the mode and the checks decide.
+    """Runs `kernel(*args)`, the caller's `builtin()` or `reference(*args)` as the mode and
+    the checks decide.
 
     `config(*args)` names a kernel configuration (what would make it compile to other
-    code); `agree(got, want)` says whether a kernel's output matches the reference's."""
+    code); `agree(got, want)` says whether a kernel's output matches the reference's;
+    `available()` whether this build has the kernel (default: MLX has Metal or CUDA);
+    `fits(*args)` whether the kernel takes these inputs."""
 
     def __init__(self, name: str, kernel: Callable[..., Any], reference: Callable[..., Any],
-                 config: Callable[..., tuple], agree: Callable[[mx.array, mx.array], bool]) -> None:
+                 config: Callable[..., tuple], agree: Callable[[mx.array, mx.array], bool],
+                 available: Callable[[], bool] | None = None, fits: Callable[..., bool] | None = None) -> None:
         self.name, self.kernel, self.reference, self.config, self.agree = name, kernel, reference, config, agree
+        self.available = available or (lambda: backend() is not None)
+        self.fits = fits or (lambda *args: True)
         self.verdicts: dict[tuple, bool] = {}  # configuration -> the kernel may run
-        self.calls = {"kernel": 0, "reference": 0}  # what ran, for tests and benchmarks
+        self.calls = {"kernel": 0, "builtin": 0, "reference": 0}  # what ran, for tests and benchmarks
 
-    def __call__(self, *args):
+    def __call__(self, *args, builtin: Callable[[], Any] | None = None):
         chosen = mode()
-        if chosen == "kernel" and backend() is None:
-            raise RuntimeError(f"{self.name}: LMSP_KERNELS=kernel, but MLX has no Metal or CUDA backend here")
-        use = chosen == "kernel"
-        if chosen == "auto" and backend() is not None:
+        here = self.available()
+        if chosen == "kernel" and not here:
+            raise RuntimeError(f"{self.name}: LMSP_KERNELS=kernel, but MLX has no Metal or CUDA backend here "
+                               "(and no compiled CPU kernel for it)")
+        use = chosen in ("auto", "kernel") and here and self.fits(*args)
+        if use and chosen == "auto":
             key = self.config(*args)
             if key not in self.verdicts:
                 self.verdicts[key] = self._check(key, args)
             use = self.verdicts[key]
-        self.calls["kernel" if use else "reference"] += 1
-        return self.kernel(*args) if use else self.reference(*args)
+        if use:
+            path, run = "kernel", lambda: self.kernel(*args)
+        elif builtin is not None and chosen != "reference":
+            path, run = "builtin", builtin
+        else:
+            path, run = "reference", lambda: self.reference(*args)
+        self.calls[path] += 1
+        return run()
 
     def _check(self, key: tuple, args: tuple) -> bool:
         try:
             got = self.kernel(*args)
             mx.eval(got)
         except Exception as exc:  # a compile error names the toolchain's complaint
-            log.warning("%s kernel unavailable for %s (%s: %s); using the reference", self.name, key,
+            log.warning("%s kernel unavailable for %s (%s: %s); not using it", self.name, key,
                         type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
             return False
         want = self.reference(*args)
         if not self.agree(got, want):
-            log.warning("%s kernel disagrees with its reference for %s; using the reference", self.name, key)
+            log.warning("%s kernel disagrees with its reference for %s; not using it", self.name, key)
             return False
         log.info("%s kernel checked against its reference for %s", self.name, key)
         return True

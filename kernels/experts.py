@@ -7,7 +7,7 @@ The kernel is two launches (expert_swiglu.metal / .cu): gate_up reads each selec
 expert's gate and up rows once against x and writes silu(gate) * up, and down reads the
 down rows against that. Only the chosen experts' rows are read. Shapes it does not take
 (mixed bit widths, a width or group size MLX's affine mode has that these do not, dims
-above MAX_DIM) go to the reference.
+above MAX_DIM) go to MLX's built-in path (the dispatch's `builtin`).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import math
 
 import mlx.core as mx
 
-from . import reference
+from . import cpu, reference
 from .dispatch import Dispatch, backend, close
 from .quantized import EXPERT_BITS, GROUP_SIZES, QuantizedExperts
 from .sources import kernel as build
@@ -76,13 +76,17 @@ def _config(x, indices, gate, up, down) -> tuple:
             str(gate.scales.dtype), str(x.dtype))
 
 
-def _kernel_or_reference(x, indices, gate, up, down):
-    if not _fits(x, indices, gate, up, down):
-        return reference.expert_swiglu(x, indices, gate, up, down)
-    return kernel(x, indices, gate, up, down)
+def _kernel(x, indices, gate, up, down):
+    """This build's kernel: the GPU one, or on the CPU build experts.c (kernels/cpu.py)."""
+    return (kernel if backend() else cpu.expert_swiglu)(x, indices, gate, up, down)
+
+
+def _takes(x, indices, gate, up, down) -> bool:
+    return (_fits if backend() else cpu.takes)(x, indices, gate, up, down)
 
 
 # float32's tolerance allows for the reference's matmuls running as TF32 (MLX_ENABLE_TF32,
 # on by default on CUDA GPUs and Apple's M5): about 1e-3 of the output's scale.
-expert_swiglu = Dispatch("expert_swiglu", _kernel_or_reference, reference.expert_swiglu, _config,
-                         lambda got, want: close(got, want, 2e-2 if got.dtype != mx.float32 else 5e-3))
+expert_swiglu = Dispatch("expert_swiglu", _kernel, reference.expert_swiglu, _config,
+                         lambda got, want: close(got, want, 2e-2 if got.dtype != mx.float32 else 5e-3),
+                         available=lambda: backend() is not None or cpu.available(), fits=_takes)

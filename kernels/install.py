@@ -4,10 +4,11 @@
   QuantizedSwitchLinear (qwen3_moe, deepseek_v2/v3, mixtral, ...) becomes a
   KernelSwitchGLU: the same module and parameters, whose decode and small-batch calls go
   through expert_swiglu. Larger batches keep mlx-lm's sorted gather_qmm path, which is
-  what it is built for.
+  what it is built for, and so does any call the dispatch gives no kernel (its `builtin`).
 - Attention: the model module's `scaled_dot_product_attention` is wrapped so that a
   one-position query against a QuantizedKVCache (`--kv-bits`) goes through
-  decode_attention; everything else is passed on unchanged.
+  decode_attention, whose fallback is the wrapped function itself; everything else is
+  passed on unchanged.
 """
 
 from __future__ import annotations
@@ -33,7 +34,8 @@ class KernelSwitchGLU(SwitchGLU):
         if indices.size >= SMALL_BATCH:
             return super().__call__(x, indices)
         projections = (self.gate_proj, self.up_proj, self.down_proj)
-        return expert_swiglu(x, mx.stop_gradient(indices), *(QuantizedExperts.of(p) for p in projections))
+        return expert_swiglu(x, mx.stop_gradient(indices), *(QuantizedExperts.of(p) for p in projections),
+                             builtin=lambda: super(KernelSwitchGLU, self).__call__(x, indices))
 
 
 def _eligible(layer: nn.Module) -> bool:
@@ -61,10 +63,13 @@ def _wrap_attention(module) -> bool:
         return current is not None
 
     def scaled_dot_product_attention(queries, keys, values, cache, scale, mask, sinks=None):
+        def builtin():
+            return current(queries, keys, values, cache, scale=scale, mask=mask, sinks=sinks)
+
         if (hasattr(cache, "bits") and sinks is None and queries.shape[2] == 1
                 and (mask is None or isinstance(mask, str)) and mode() != "off"):
-            return decode_attention(queries, keys, values, scale, cache.group_size, cache.bits)
-        return current(queries, keys, values, cache, scale=scale, mask=mask, sinks=sinks)
+            return decode_attention(queries, keys, values, scale, cache.group_size, cache.bits, builtin=builtin)
+        return builtin()
 
     scaled_dot_product_attention.lmsp_decode_attention = True
     module.scaled_dot_product_attention = scaled_dot_product_attention

@@ -165,7 +165,9 @@ def run(stem: str, section: str, dialect: str, inputs: dict[str, np.ndarray], ou
         args.append(f"(float*)out[{j}]")
     consts = "".join(f"constexpr int {k} = {v};\n" if isinstance(v, int) else f"using {k} = {v};\n"
                      for k, v in template.items())
-    code = (PRELUDE + src.get("header", "") + "\n" + "\n".join(lines)
+    # `half` is a type in Metal: a body naming a variable so must not compile here either
+    dialect_prelude = "#define half float\n" if dialect == "metal" else ""
+    code = (PRELUDE + dialect_prelude + src.get("header", "") + "\n" + "\n".join(lines)
             + f"\nstatic void kernel_body({', '.join(params)}) {{\n{consts}{body}\n}}\n"
             + f"""extern "C" int launch(void** in, void** out, unsigned gx, unsigned gy, unsigned gz, unsigned n) {{
     stuck = false;

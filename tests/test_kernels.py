@@ -18,6 +18,7 @@ from lmsp_mlx import kernels
 from lmsp_mlx.engine.generate import GenerationParams, generate
 from lmsp_mlx.engine.loader import load_model
 from lmsp_mlx.kernels import attention as attention_module
+from lmsp_mlx.kernels import cpu as cpu_kernel
 from lmsp_mlx.kernels import dispatch, reference
 from lmsp_mlx.kernels import experts as expert_module
 from lmsp_mlx.kernels.quantized import QuantizedExperts
@@ -107,11 +108,12 @@ def test_expert_reference_matches_a_float_computation_and_gather_qmm(bits, group
     stock = stock_switch_glu(d, h, gate, up, down)
     assert rel_err(got, stock(x, indices)) < 1e-4
     # The swapped layer (the model's view): same module, same result, through the dispatch
-    # (the reference itself on the CPU build; where a backend exists, the checked kernel).
-    before = kernels.expert_swiglu.calls["reference"]
+    # (the checked kernel: Metal, CUDA or the compiled CPU one; else the reference itself).
+    before = dict(kernels.expert_swiglu.calls)
     stock.__class__ = kernels.KernelSwitchGLU
-    assert rel_err(stock(x, indices), got) < (1e-6 if kernels.backend() is None else 1e-4)
-    assert kernels.expert_swiglu.calls["reference"] == before + (kernels.backend() is None)
+    assert rel_err(stock(x, indices), got) < 1e-4
+    ran = "kernel" if kernels.expert_swiglu.available() else "reference"
+    assert kernels.expert_swiglu.calls[ran] == before[ran] + 1
 
 
 def float_attention(q, keys, values, scale, group_size, bits) -> np.ndarray:
@@ -152,6 +154,38 @@ def test_attention_reference_matches_float_sdpa_and_the_quantized_composite(bits
     assert rel_err(got, mx.fast.scaled_dot_product_attention(q, k, v, scale=scale)) < 1e-5
     composite = base.quantized_scaled_dot_product_attention(q, keys, values, scale, None, group_size, bits)
     assert rel_err(got, composite) < 1e-4
+
+
+needs_cpu_kernel = pytest.mark.skipif(not cpu_kernel.available(),
+                                      reason="the compiled CPU kernels (lmsp_mlx/cpu_blas/_decode) are not built here")
+
+
+@needs_cpu_kernel
+@pytest.mark.parametrize("bits", [2, 3, 4, 8])
+@pytest.mark.parametrize("group_size", [32, 64])
+@pytest.mark.parametrize("tokens, k", [(1, 8), (3, 2)])
+def test_the_cpu_expert_kernel_matches_the_reference(bits, group_size, tokens, k):
+    d, h, experts = 256, 192, 10
+    gate, up = (quantized_experts(experts, h, d, group_size, bits) for _ in range(2))
+    down = quantized_experts(experts, d, h, group_size, bits)
+    x = mx.random.normal((tokens, d))
+    indices = mx.stack([mx.random.permutation(experts)[:k] for _ in range(tokens)]).astype(mx.uint32)
+    assert cpu_kernel.takes(x, indices, gate, up, down)
+    got = cpu_kernel.expert_swiglu(x, indices, gate, up, down)
+    assert got.shape == (tokens, k, d) and got.dtype == mx.float32
+    assert rel_err(got, reference.expert_swiglu(x, indices, gate, up, down)) < 1e-5
+
+
+@needs_cpu_kernel
+def test_the_cpu_expert_kernel_refuses_what_it_cannot_read():
+    gate, up = (quantized_experts(4, 64, 128, 32, 4) for _ in range(2))
+    down = quantized_experts(4, 128, 64, 32, 4)
+    x = mx.random.normal((1, 128))
+    with pytest.raises(ValueError, match="does not take"):  # an expert id past the table: no read out of bounds
+        cpu_kernel.expert_swiglu(x, mx.array([[1, 4]], mx.uint32), gate, up, down)
+    half = [p._replace(scales=p.scales.astype(mx.float16)) for p in (gate, up, down)]
+    assert not cpu_kernel.takes(x, mx.array([[1, 2]], mx.uint32), *half)  # half scales: the reference runs
+    assert not cpu_kernel.takes(x.astype(mx.float16), mx.array([[1, 2]], mx.uint32), gate, up, down)
 
 
 @pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16])
@@ -247,9 +281,9 @@ def test_auto_mode_checks_each_kernel_configuration_once_and_keeps_only_agreeing
         assert all(np.array_equal(np.array(r), np.arange(r.size)) for r in results)
         warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
         if name == "right":
-            assert d.calls == {"kernel": 3, "reference": 0} and not warnings
+            assert d.calls == {"kernel": 3, "builtin": 0, "reference": 0} and not warnings
         else:
-            assert d.calls == {"kernel": 0, "reference": 3}
+            assert d.calls == {"kernel": 0, "builtin": 0, "reference": 3}
             assert len(warnings) == 2  # one per configuration (two shapes), not per call
             assert ("disagrees" if name == "wrong" else "unable to build the kernel") in warnings[0].getMessage()
 
@@ -267,27 +301,36 @@ def greedy(path, mode: str, monkeypatch, prompt: list[int], cache_factory=None) 
 @pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v3"])
 def test_tiny_moe_model_gives_the_same_greedy_tokens_through_the_engine_with_the_kernel_path(
         tmp_path, monkeypatch, arch):
+    """Through the engine, a decode step at a time: the reference path, and what `auto` runs
+    (this build's kernel, experts.c on the CPU build), give mlx-lm's own tokens."""
     path = build_tiny_moe_model(tmp_path / arch, arch)
     prompt = list(range(40, 90))
-    before = kernels.expert_swiglu.calls["reference"]
-    swapped, quantization = greedy(path, "auto", monkeypatch, prompt)
-    if kernels.backend() is None:  # the CPU build: float32, except the experts, which the reference runs
-        assert quantization == "float32, MoE experts affine-4bit-g32"
-        assert kernels.expert_swiglu.calls["reference"] - before >= len(swapped) - 1  # each decode step
     stock, _ = greedy(path, "off", monkeypatch, prompt)
-    assert swapped == stock and len(stock) >= 8
+    assert len(stock) >= 8
+    auto_runs = "kernel" if kernels.expert_swiglu.available() else "builtin"
+    for chosen, ran in (("reference", "reference"), ("auto", auto_runs)):
+        before = kernels.expert_swiglu.calls[ran]
+        swapped, quantization = greedy(path, chosen, monkeypatch, prompt)
+        assert kernels.expert_swiglu.calls[ran] - before >= len(swapped) - 1, chosen  # each decode step
+        assert swapped == stock, chosen
+    if kernels.backend() is None:  # the CPU build: float32, except the experts
+        assert quantization == "float32, MoE experts affine-4bit-g32"
 
 
 def test_kv_bits_decode_gives_the_same_greedy_tokens_with_the_attention_kernel_path(tmp_path, monkeypatch):
+    """The same for a --kv-bits cache: the reference path, and `auto` (the kernel where MLX
+    has Metal or CUDA; on the CPU build mlx-lm's own quantized attention, the faster there)."""
     path = build_tiny_model(tmp_path / "m", head_dim=64)
     prompt = list(range(30, 130))
     caches = lambda lm: [QuantizedKVCache(group_size=32, bits=4) for _ in lm.model.layers]  # noqa: E731
-    before = kernels.decode_attention.calls["reference"]
-    swapped, _ = greedy(path, "auto", monkeypatch, prompt, caches)
-    if kernels.backend() is None:
-        assert kernels.decode_attention.calls["reference"] - before >= 2 * (len(swapped) - 1)  # 2 layers a step
     stock, _ = greedy(path, "off", monkeypatch, prompt, caches)
-    assert swapped == stock and len(stock) >= 8
+    assert len(stock) >= 8
+    auto_runs = "kernel" if kernels.decode_attention.available() else "builtin"
+    for chosen, ran in (("reference", "reference"), ("auto", auto_runs)):
+        before = kernels.decode_attention.calls[ran]
+        swapped, _ = greedy(path, chosen, monkeypatch, prompt, caches)
+        assert kernels.decode_attention.calls[ran] - before >= 2 * (len(swapped) - 1), chosen  # 2 layers a step
+        assert swapped == stock, chosen
 
 
 # MLX's CUDA backend builds a kernel as: its fixed header (mlx/backend/cuda/device/utils.cuh

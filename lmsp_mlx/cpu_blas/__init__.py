@@ -98,8 +98,9 @@ _decode: ctypes.CDLL | None = None
 
 
 def decode_kernel() -> ctypes.CDLL | None:
-    """The compiled decode step (`decode.c`, OpenMP), or None where it was not built
-    (Linux only; a compiler without OpenMP skips it). ctypes releases the GIL while it runs."""
+    """The compiled decode step (`decode.c`) and quantized MoE experts (`experts.c`), both
+    OpenMP, or None where they were not built (Linux only; a compiler without OpenMP skips
+    them). ctypes releases the GIL while they run."""
     global _decode
     if _decode is None and sys.platform.startswith("linux"):
         spec = importlib.util.find_spec("lmsp_mlx.cpu_blas._decode")
@@ -108,6 +109,9 @@ def decode_kernel() -> ctypes.CDLL | None:
         lib = ctypes.CDLL(spec.origin)
         lib.lmsp_decode_step.argtypes = [ctypes.c_void_p, ctypes.c_int32, ctypes.c_int32] + [ctypes.c_void_p] * 4
         lib.lmsp_decode_step.restype = None
+        lib.lmsp_expert_swiglu.argtypes = ([ctypes.c_void_p] * 2 + [ctypes.c_int64] * 3 + [ctypes.c_void_p] * 9
+                                           + [ctypes.c_int64] * 2 + [ctypes.c_int] * 2 + [ctypes.c_void_p] * 3)
+        lib.lmsp_expert_swiglu.restype = ctypes.c_int
         _decode = lib
     return _decode
 
