@@ -319,13 +319,13 @@ def test_tiny_moe_model_gives_the_same_greedy_tokens_through_the_engine_with_the
 
 def test_kv_bits_decode_gives_the_same_greedy_tokens_with_the_attention_kernel_path(tmp_path, monkeypatch):
     """The same for a --kv-bits cache: the reference path, and `auto` (the kernel where MLX
-    has Metal or CUDA; on the CPU build mlx-lm's own quantized attention, the faster there)."""
+    has Metal or CUDA, the reference elsewhere)."""
     path = build_tiny_model(tmp_path / "m", head_dim=64)
     prompt = list(range(30, 130))
     caches = lambda lm: [QuantizedKVCache(group_size=32, bits=4) for _ in lm.model.layers]  # noqa: E731
     stock, _ = greedy(path, "off", monkeypatch, prompt, caches)
     assert len(stock) >= 8
-    auto_runs = "kernel" if kernels.decode_attention.available() else "builtin"
+    auto_runs = "kernel" if kernels.decode_attention.available() else "reference"
     for chosen, ran in (("reference", "reference"), ("auto", auto_runs)):
         before = kernels.decode_attention.calls[ran]
         swapped, _ = greedy(path, chosen, monkeypatch, prompt, caches)
