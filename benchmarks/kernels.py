@@ -11,8 +11,9 @@ experts of hidden 768, top 8; 32 query heads over 4 KV heads of 128):
   mx.quantized_matmul around a softmax over the whole score row).
 
 "ours" is the kernel where MLX has Metal or CUDA; on the CPU build it is the compiled CPU
-expert kernel (kernels/cpu.py) and the attention reference. The `path` column says which ran, read off the dispatch's counters (a kernel that failed
-its first-call check shows as the reference). One timing is a chain of --chain calls in
+expert kernel (kernels/cpu.py) and the attention reference, what `auto` runs there. The
+`path` column says which ran, read off the dispatch's counters (a kernel that failed its
+first-call check shows as the reference). One timing is a chain of --chain calls in
 one evaluation, each call's input the previous call's output (for the experts, through
 the MoE block's sum over experts and an RMSNorm; both sides pay for those), as in a
 model's decode step: a single call would time the launch and the Python, not the kernel.

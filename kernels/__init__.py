@@ -3,11 +3,12 @@
 Each kernel has its sources here (`<name>.metal` for mx.fast.metal_kernel and a CUDA twin
 `<name>.cu` for mx.fast.cuda_kernel), a pure-MLX reference with the same signature
 (reference.py), and a dispatch (dispatch.py, `LMSP_KERNELS`) that runs the kernel only
-where its backend exists and the reference elsewhere, so everything runs on the CPU build.
+where its backend exists and MLX's built-in path or the reference (whichever measured
+faster) elsewhere, so everything runs on the CPU build.
 
 - expert_swiglu: each token's top-k experts' SwiGLU MLP over affine-quantized weights
   (2/3/4/8 bits, groups of 32/64), for decode and small batches; KernelSwitchGLU puts it
-  in mlx-lm's MoE models.
+  in mlx-lm's MoE models. On the CPU build its kernel is experts.c (cpu.py).
 - decode_attention: one query step against mlx-lm's QuantizedKVCache (4/8 bits), grouped
   query heads, K/V dequantized on the fly with an online softmax; used for `--kv-bits`.
 

@@ -8,8 +8,8 @@ Every query position sees all N cached positions, as in a decode step.
 The kernel (decode_attention.metal / .cu) reads K and V where the cache keeps them (the
 views' strides, no copy), in splits of CHUNK positions across the GPU; a second, small
 kernel merges the splits' partial softmax states. Shapes it does not take (head sizes
-that are not a multiple of 32, more than 1024 query values per KV head) go to MLX's
-built-in path (the dispatch's `builtin`).
+that are not a multiple of 32, more than 1024 query values per KV head, grids past CUDA's
+limits) go to the reference, as every call does where MLX has no Metal or CUDA.
 """
 
 from __future__ import annotations

@@ -1,10 +1,11 @@
 """The CPU build's expert kernel: lmsp_mlx/cpu_blas/experts.c through ctypes.
 
-MLX's CPU build has no Metal or CUDA, and its quantized ops are slow there (the reference
-dequantizes the chosen experts at 7-15 ns a value). experts.c reads each chosen row once,
-32 codes at a time, across the cores. It takes what the CPU loader produces: float32 x,
-scales and biases, codes of 1-8 bits, groups that are multiples of 32. Anything else (or
-a build without the compiled module) is not taken: `takes` says so and the reference runs.
+MLX's CPU build has no Metal or CUDA. There, mlx-lm's gather_qmm path took 30-48 ms for
+one token through a 30B-A3B layer's 8 experts, and the reference, which dequantizes them
+to memory, 427 ms. experts.c reads each chosen row once, 32 codes at a time, across the
+cores (11-21 ms). It takes what the CPU loader produces: float32 x, scales and biases,
+codes of 1-8 bits, groups that are multiples of 32. Anything else (or a build without the
+compiled module) is not taken: `takes` says so and mlx-lm's own path runs.
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ def available() -> bool:
     return cpu_blas.decode_kernel() is not None
 
 
-def takes(x: mx.array, indices: mx.array, gate: QuantizedExperts, up: QuantizedExperts, down: QuantizedExperts) -> bool:
+def takes(x: mx.array, indices: mx.array, gate: QuantizedExperts, up: QuantizedExperts,
+          down: QuantizedExperts) -> bool:
     parts = (gate, up, down)
     d, h = x.shape[-1], gate.output_dims
     return (available() and x.dtype == mx.float32 and len({(p.bits, p.group_size) for p in parts}) == 1

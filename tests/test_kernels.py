@@ -375,8 +375,8 @@ CUDA_BUILDS = {
         "decode_attention", "body",
         [("q", BF16), ("kw", U32), ("ks", HALF), ("kb", HALF), ("vw", U32), ("vs", HALF), ("vb", HALF)],
         [("o_acc", "float"), ("o_max", "float"), ("o_sum", "float")],
-        [("T", BF16), ("S", HALF), ("D", 128), ("G", 8), ("BITS", 4), ("GS", 64), ("WARPS", 4), ("BATCH", 4), ("CHUNK", 256),
-         ("SCALE", 1040187392)]),  # 0.125
+        [("T", BF16), ("S", HALF), ("D", 128), ("G", 8), ("BITS", 4), ("GS", 64), ("WARPS", 4), ("BATCH", 4),
+         ("CHUNK", 256), ("SCALE", 1040187392)]),  # 0.125
     "decode_attention merge, bfloat16 out": cuda_source(
         "decode_attention", "merge", [("acc", "float"), ("tops", "float"), ("totals", "float")], [("out", BF16)],
         [("T", BF16), ("D", 128), ("G", 8)]),
