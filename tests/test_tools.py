@@ -306,3 +306,19 @@ def test_a_model_specific_call_syntax_goes_through_mlx_lm_s_parser(start_server,
     [call] = resp["output"]
     assert call["type"] == "function_call" and call["name"] == "get_weather"
     assert json.loads(call["arguments"]) == {"city": "Paris"}
+
+
+TRICKY_CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Hangzhou}}</tool_call>Colored:"}}\n</tool_call>'
+
+
+def test_a_call_whose_argument_holds_the_closing_marker_is_one_call(start_server, tmp_path):
+    """A strict grammar lets a string argument hold any text, the closing marker included
+    (a sampled reply at temperature 1 put `}}</tool_call>Colored:` in a city name): the
+    call still ends where its JSON does, so it is one call with that argument, not text."""
+    script = ["Ċ", "<think>", "Ġt", "h", "e", "</think>", TRICKY_CALL, "<|im_end|>"]
+    model = build_scripted_model(tmp_path / "tricky", script=script, words=(TRICKY_CALL,))
+    server = start_server("--model", str(model), "--model-id", "tiny")
+    resp = post(server, {"input": [QUESTION], "tools": TOOLS}).json()
+    calls = [(c["name"], json.loads(c["arguments"])) for c in resp["output"] if c["type"] == "function_call"]
+    assert calls == [("get_weather", {"city": "Hangzhou}}</tool_call>Colored:"})]
+    assert not [o for o in resp["output"] if o["type"] == "message"], resp["output"]

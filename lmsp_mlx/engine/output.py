@@ -81,7 +81,9 @@ class OutputParser:
         while True:
             if self.state == "call":
                 close = self.fmt.call[1]
-                end = self._buf.find(close) if close else -1
+                end = _call_end(self._buf, close) if close else -1
+                if end < 0 and final and close:  # a JSON body that never closed: its first marker, if any
+                    end = self._buf.find(close)
                 if end < 0:
                     if not final:
                         return out
@@ -166,6 +168,43 @@ class OutputParser:
         if tool is None or not tool.custom or json.loads(head) != {"name": name}:
             return None
         return ParsedCall(name, rest if newline else "", custom=True)
+
+
+def _call_end(buf: str, close: str) -> int:
+    """Where a call's closing marker starts in `buf`, or -1 for not yet.
+
+    A body that is a JSON object is read as JSON first: its strings may hold the marker's
+    text (a grammar-valid argument can: one sampled reply put `}}</tool_call>` inside a
+    city name), so the marker is looked for only after the object closes."""
+    start = len(buf) - len(buf.lstrip())
+    if buf[start:start + 1] == "{":
+        start = _json_object_end(buf, start)
+        if start < 0:
+            return -1
+    return buf.find(close, start)
+
+
+def _json_object_end(text: str, i: int) -> int:
+    """The index just past the JSON object opening at text[i], or -1 if it is not closed yet."""
+    depth, in_string, escaped = 0, False, False
+    for j in range(i, len(text)):
+        c = text[j]
+        if in_string:
+            if escaped:
+                escaped = False
+            elif c == "\\":
+                escaped = True
+            elif c == '"':
+                in_string = False
+        elif c == '"':
+            in_string = True
+        elif c in "{[":
+            depth += 1
+        elif c in "}]":
+            depth -= 1
+            if depth == 0:
+                return j + 1
+    return -1
 
 
 def _held_back(buf: str, markers: list[str]) -> int:
