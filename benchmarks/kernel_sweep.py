@@ -112,7 +112,7 @@ def main() -> None:
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
     args = p.parse_args()
     if kernels.backend() is None:
-        print("this MLX build has neither Metal nor CUDA: no kernels to sweep (the CPU build runs the references)")
+        print("this MLX build has neither Metal nor CUDA: no GPU kernels to sweep")
         return
     bandwidth = read_bandwidth()
     print(f"{kernels.backend()}: read bandwidth {bandwidth / 1e9:.0f} GB/s, {args.chain} calls per timing", flush=True)
