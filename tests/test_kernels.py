@@ -49,6 +49,19 @@ def f64(a) -> np.ndarray:
     return np.asarray(a.astype(mx.float32) if isinstance(a, mx.array) else a, np.float64)
 
 
+def builtin(fn):
+    """MLX's built-in result, or None where MLX's CUDA backend has no implementation of it
+    (seen on an H200: quantized_matmul with float32 activations at these shapes)."""
+    try:
+        out = fn()
+        mx.eval(out)
+        return out
+    except RuntimeError as exc:
+        if kernels.backend() is not None and "No implementation" in str(exc):
+            return None
+        raise
+
+
 def rel_err(got, want) -> float:
     got, want = f64(got), f64(want)
     return float(np.abs(got - want).max() / (np.abs(want).max() + 1e-12))
@@ -152,8 +165,9 @@ def test_attention_reference_matches_float_sdpa_and_the_quantized_composite(bits
     assert rel_err(got, float_attention(q, keys, values, scale, group_size, bits)) < 1e-5
     k, v = (mx.dequantize(*kv, group_size, bits) for kv in (keys, values))
     assert rel_err(got, mx.fast.scaled_dot_product_attention(q, k, v, scale=scale)) < 1e-5
-    composite = base.quantized_scaled_dot_product_attention(q, keys, values, scale, None, group_size, bits)
-    assert rel_err(got, composite) < 1e-4
+    composite = builtin(lambda: base.quantized_scaled_dot_product_attention(q, keys, values, scale, None,
+                                                                           group_size, bits))
+    assert composite is None or rel_err(got, composite) < 1e-4
 
 
 needs_cpu_kernel = pytest.mark.skipif(not cpu_kernel.available(),
@@ -288,6 +302,13 @@ def test_auto_mode_checks_each_kernel_configuration_once_and_keeps_only_agreeing
             assert ("disagrees" if name == "wrong" else "unable to build the kernel") in warnings[0].getMessage()
 
 
+def greedy_or_none(path, mode: str, monkeypatch, prompt: list[int], cache_factory=None) -> list[int] | None:
+    """mlx-lm's own tokens, or None where MLX's CUDA backend cannot run its quantized ops on
+    these float32 test models (then the reference path is what the kernel path must match)."""
+    result = builtin(lambda: mx.array(greedy(path, mode, monkeypatch, prompt, cache_factory)[0]))
+    return None if result is None else result.tolist()
+
+
 def greedy(path, mode: str, monkeypatch, prompt: list[int], cache_factory=None) -> tuple[list[int], str]:
     monkeypatch.setenv("LMSP_KERNELS", mode)
     lm = load_model(path)
@@ -305,14 +326,14 @@ def test_tiny_moe_model_gives_the_same_greedy_tokens_through_the_engine_with_the
     (this build's kernel, experts.c on the CPU build), give mlx-lm's own tokens."""
     path = build_tiny_moe_model(tmp_path / arch, arch)
     prompt = list(range(40, 90))
-    stock, _ = greedy(path, "off", monkeypatch, prompt)
-    assert len(stock) >= 8
+    stock = greedy_or_none(path, "off", monkeypatch, prompt)
     auto_runs = "kernel" if kernels.expert_swiglu.available() else "builtin"
     for chosen, ran in (("reference", "reference"), ("auto", auto_runs)):
         before = kernels.expert_swiglu.calls[ran]
         swapped, quantization = greedy(path, chosen, monkeypatch, prompt)
         assert kernels.expert_swiglu.calls[ran] - before >= len(swapped) - 1, chosen  # each decode step
-        assert swapped == stock, chosen
+        stock = swapped if stock is None else stock  # no stock run: the reference's tokens
+        assert swapped == stock and len(stock) >= 8, chosen
     if kernels.backend() is None:  # the CPU build: float32, except the experts
         assert quantization == "float32, MoE experts affine-4bit-g32"
 
@@ -323,14 +344,14 @@ def test_kv_bits_decode_gives_the_same_greedy_tokens_with_the_attention_kernel_p
     path = build_tiny_model(tmp_path / "m", head_dim=64)
     prompt = list(range(30, 130))
     caches = lambda lm: [QuantizedKVCache(group_size=32, bits=4) for _ in lm.model.layers]  # noqa: E731
-    stock, _ = greedy(path, "off", monkeypatch, prompt, caches)
-    assert len(stock) >= 8
+    stock = greedy_or_none(path, "off", monkeypatch, prompt, caches)
     auto_runs = "kernel" if kernels.decode_attention.available() else "reference"
     for chosen, ran in (("reference", "reference"), ("auto", auto_runs)):
         before = kernels.decode_attention.calls[ran]
         swapped, _ = greedy(path, chosen, monkeypatch, prompt, caches)
         assert kernels.decode_attention.calls[ran] - before >= 2 * (len(swapped) - 1), chosen  # 2 layers a step
-        assert swapped == stock, chosen
+        stock = swapped if stock is None else stock  # no stock run: the reference's tokens
+        assert swapped == stock and len(stock) >= 8, chosen
 
 
 # MLX's CUDA backend builds a kernel as: its fixed header (mlx/backend/cuda/device/utils.cuh
