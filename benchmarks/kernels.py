@@ -96,7 +96,9 @@ def nbytes(*arrays: mx.array) -> int:
 SPREAD = 256 << 20  # bytes the timed reads are spread over: several times any GPU's L2
 
 
-def expert_case(bits: int, repeats: int, chain: int, bandwidth: float) -> dict:
+def expert_chains(bits: int, chain: int):
+    """(ours, built-in, bytes one call must read): each a function that builds a chain of
+    `chain` calls of one MoE layer's experts, one token each, as a model's decode runs them."""
     def projection(out: int, inp: int) -> QuantizedSwitchLinear:
         layer = QuantizedSwitchLinear(inp, out, EXPERTS, bias=False, group_size=GROUP, bits=bits)
         layer.scales, layer.biases = layer.scales.astype(DTYPE), layer.biases.astype(DTYPE)
@@ -119,18 +121,13 @@ def expert_case(bits: int, repeats: int, chain: int, bandwidth: float) -> dict:
             return x
         return go
 
-    before = dict(kernels.expert_swiglu.calls)
-    ours_t, builtin_t, speedup = paired(run(lambda x, i: kernels.expert_swiglu(x, i, *parts)), run(layer),
-                                        repeats, chain)
     per_expert = sum(nbytes(p.weight[0], p.scales[0], p.biases[0]) for p in parts)
-    bound = TOP_K * per_expert / bandwidth
-    return {"case": f"expert SwiGLU, 1 token, top {TOP_K} of {EXPERTS}, {bits}-bit g{GROUP}", "kernel": "expert",
-            "context": 0, "bits": bits, "ours_ms": ours_t * 1e3, "builtin_ms": builtin_t * 1e3, "speedup": speedup,
-            "bound_ms": bound * 1e3, "of_bound": ours_t / bound, "target": 1.3,
-            "path": ran(kernels.expert_swiglu, before)}
+    return run(lambda x, i: kernels.expert_swiglu(x, i, *parts)), run(layer), TOP_K * per_expert
 
 
-def attention_case(context: int, bits: int, repeats: int, chain: int, bandwidth: float) -> dict:
+def attention_chains(context: int, bits: int, chain: int):
+    """(ours, built-in, bytes one call must read): each a function that builds a chain of
+    `chain` one-step attention calls against a QuantizedKVCache of `context` positions."""
     def cache() -> tuple[mx.array, mx.array, mx.array]:
         packed, scales, biases = mx.quantize(mx.random.normal((1, KV_HEADS, context, HEAD_DIM)), GROUP, bits)
         return packed, scales.astype(DTYPE), biases.astype(DTYPE)
@@ -150,12 +147,26 @@ def attention_case(context: int, bits: int, repeats: int, chain: int, bandwidth:
             return q
         return go
 
+    return (run(lambda q, k, v: kernels.decode_attention(q, k, v, scale, GROUP, bits)),
+            run(lambda q, k, v: quantized_scaled_dot_product_attention(q, k, v, scale, None, GROUP, bits)), one)
+
+
+def expert_case(bits: int, repeats: int, chain: int, bandwidth: float) -> dict:
+    ours, builtin, nbytes_read = expert_chains(bits, chain)
+    before = dict(kernels.expert_swiglu.calls)
+    ours_t, builtin_t, speedup = paired(ours, builtin, repeats, chain)
+    bound = nbytes_read / bandwidth
+    return {"case": f"expert SwiGLU, 1 token, top {TOP_K} of {EXPERTS}, {bits}-bit g{GROUP}", "kernel": "expert",
+            "context": 0, "bits": bits, "ours_ms": ours_t * 1e3, "builtin_ms": builtin_t * 1e3, "speedup": speedup,
+            "bound_ms": bound * 1e3, "of_bound": ours_t / bound, "target": 1.3,
+            "path": ran(kernels.expert_swiglu, before)}
+
+
+def attention_case(context: int, bits: int, repeats: int, chain: int, bandwidth: float) -> dict:
+    ours, builtin, nbytes_read = attention_chains(context, bits, chain)
     before = dict(kernels.decode_attention.calls)
-    ours_t, builtin_t, speedup = paired(
-        run(lambda q, k, v: kernels.decode_attention(q, k, v, scale, GROUP, bits)),
-        run(lambda q, k, v: quantized_scaled_dot_product_attention(q, k, v, scale, None, GROUP, bits)),
-        repeats, chain)
-    bound = one / bandwidth
+    ours_t, builtin_t, speedup = paired(ours, builtin, repeats, chain)
+    bound = nbytes_read / bandwidth
     return {"case": f"decode attention, {context // 1024}K positions, {Q_HEADS}/{KV_HEADS} heads, {bits}-bit g{GROUP}",
             "kernel": "attention", "context": context, "bits": bits, "ours_ms": ours_t * 1e3,
             "builtin_ms": builtin_t * 1e3, "speedup": speedup, "bound_ms": bound * 1e3, "of_bound": ours_t / bound,

@@ -5,9 +5,14 @@
 # limit). Then two device calls, back to back (the machine stays warm 30 s):
 #   run(command="bash benchmarks/on_gpu.sh stage", carry=[".whl/a"], timeout_s=120)
 #   run(command="bash benchmarks/on_gpu.sh run", carry=[".whl/b"], timeout_s=540)
-# `run` installs MLX into /tmp/site, runs tests/test_kernels.py with LMSP_KERNELS=kernel
-# (every kernel against its reference), benchmarks/kernels.py and benchmarks/kernel_sweep.py;
-# results land in $OUT.
+# `run` installs MLX into /tmp/site, then runs the steps named after it, in that order
+# (default: tests bench sweep); results land in $OUT:
+#   cuda     benchmarks/cuda_kernels.py: the CUDA twins' own GPU time, outside MLX
+#   profile  benchmarks/gpu_profile.py: ours and MLX's kernels inside MLX, under ncu
+#   tests    tests/test_kernels.py with LMSP_KERNELS=kernel, less the per-configuration
+#            kernel-against-reference cases (NVRTC compiles each); `alltests` includes them
+#   bench    benchmarks/kernels.py;  sweep  benchmarks/kernel_sweep.py
+# e.g. run(command="bash benchmarks/on_gpu.sh run cuda profile tests bench", carry=[".whl/b"], timeout_s=540)
 # Rehearsed on this machine with Python 3.12, the device's package versions and MLX's CPU
 # wheel in place of the CUDA one (everything but the GPU itself).
 set -uo pipefail
@@ -21,8 +26,8 @@ run)
     name=$(cat /tmp/stage/cuda-wheel-name) || { echo "run the stage call first"; exit 1; }
     cat /tmp/stage/part.aa .whl/b/part.ab > "/tmp/stage/$name"
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site \
-        /tmp/stage/mlx-*.whl /tmp/stage/mlx_lm-*.whl "/tmp/stage/$name" >"$OUT/install.log" 2>&1 \
-        || { tail -20 "$OUT/install.log"; exit 1; }
+        /tmp/stage/mlx-*.whl /tmp/stage/mlx_lm-*.whl "/tmp/stage/$name" >/tmp/install.log 2>&1 \
+        || { tail -20 /tmp/install.log; exit 1; }
     # libmlx.so finds the CUDA libraries through RPATH $ORIGIN/../../nvidia/...: next to
     # where pip put it. They are the machine's own (PyTorch's nvidia-* wheels), elsewhere.
     nv=$(python3 -c "import nvidia; print(list(nvidia.__path__)[0])" 2>/dev/null)
@@ -34,23 +39,37 @@ run)
     if [ -z "${CUDA_HOME:-}" ] && [ ! -d /usr/local/cuda/include ] && command -v nvcc >/dev/null; then
         export CUDA_HOME=$(dirname "$(dirname "$(command -v nvcc)")")
     fi
-    { echo "nvidia=$nv CUDA_HOME=${CUDA_HOME:-} nvcc=$(command -v nvcc)"; ldd /tmp/site/mlx/lib/libmlx.so; } \
-        >"$OUT/libs.txt" 2>&1
-    grep "not found" "$OUT/libs.txt"
+    # At most 8 files come back from $OUT: the machine's facts go into one, env.txt.
+    { echo "nvidia=$nv CUDA_HOME=${CUDA_HOME:-} nvcc=$(command -v nvcc) ncu=$(command -v ncu)"
+      ldd /tmp/site/mlx/lib/libmlx.so; } >"$OUT/env.txt" 2>&1
+    grep "not found" "$OUT/env.txt"
     # lmsp_mlx.kernels is the top-level kernels/ folder (a package-dir mapping when installed)
     [ -e lmsp_mlx/kernels ] || ln -s ../kernels lmsp_mlx/kernels
     export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
-    nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$OUT/gpu.txt"
-    python3 -c "import mlx.core as mx; from lmsp_mlx import kernels; print(mx.__version__, mx.default_device(), kernels.backend())" \
-        2>&1 | tee "$OUT/backend.txt"
+    nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv | tee -a "$OUT/env.txt"
+    python3 -c "from lmsp_mlx import kernels; import mlx.core as mx; print(mx.__version__, mx.default_device(), kernels.backend())" \
+        2>&1 | tee -a "$OUT/env.txt"
+    shift
+    [ $# -gt 0 ] || set -- tests bench sweep
     # full float32 in the tests (MLX runs float32 matmuls as TF32 by default on these GPUs,
-    # references included); the benchmark keeps the default a user gets
+    # references included); the benchmarks keep the default a user gets
     # (the SIMT-emulated and nvcc-compiled sources run on every CPU machine: not here)
-    MLX_ENABLE_TF32=0 LMSP_KERNELS=kernel timeout 240 python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py \
-        -k "not source and not cuda_twins" 2>&1 | tee "$OUT/tests.txt" | tail -40
-    timeout 150 python3 benchmarks/kernels.py --repeats 20 --out "$OUT" 2>&1 | tee "$OUT/bench.txt" | tail -16
-    # the launch shapes the constants in kernels/ should take on this GPU
-    timeout 100 python3 benchmarks/kernel_sweep.py --out "$OUT" 2>&1 | tee "$OUT/sweep.txt" | tail -30
+    for step in "$@"; do
+        echo "== $step $(date +%T)"
+        case $step in
+        cuda) timeout 150 python3 benchmarks/cuda_kernels.py --out "$OUT" 2>&1 | tee "$OUT/cuda.txt" | tail -20 ;;
+        profile) timeout 180 python3 benchmarks/gpu_profile.py --out "$OUT" 2>&1 | tee "$OUT/profile.txt" | tail -12 ;;
+        tests|alltests)
+            only=$([ "$step" = tests ] && echo "and not kernel_matches_its_reference")
+            MLX_ENABLE_TF32=0 LMSP_KERNELS=kernel timeout 240 python3 -m pytest -q -p no:cacheprovider \
+                tests/test_kernels.py -k "not source and not cuda_twins $only" 2>&1 | tee "$OUT/tests.txt" | tail -40 ;;
+        bench) timeout 150 python3 benchmarks/kernels.py --repeats 20 --out "$OUT" 2>&1 | tee "$OUT/bench.txt" | tail -16 ;;
+        # the launch shapes the constants in kernels/ should take on this GPU
+        sweep) timeout 100 python3 benchmarks/kernel_sweep.py --out "$OUT" 2>&1 | tee "$OUT/sweep.txt" | tail -30 ;;
+        *) echo "unknown step $step" ;;
+        esac
+    done
+    rm -f "$OUT"/*.png  # drawn here from the CSVs: the 8 files that come back are for data
     ;;
 *)
     echo "usage: on_gpu.sh stage|run (see the comment at the top)"; exit 2

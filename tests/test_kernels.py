@@ -20,6 +20,7 @@ from lmsp_mlx.engine.loader import load_model
 from lmsp_mlx.kernels import attention as attention_module
 from lmsp_mlx.kernels import cpu as cpu_kernel
 from lmsp_mlx.kernels import dispatch, reference
+from lmsp_mlx.kernels.cuda_source import assemble
 from lmsp_mlx.kernels import experts as expert_module
 from lmsp_mlx.kernels.quantized import QuantizedExperts
 from tiny_model import build_tiny_model, build_tiny_moe_model
@@ -354,59 +355,23 @@ def test_kv_bits_decode_gives_the_same_greedy_tokens_with_the_attention_kernel_p
         assert swapped == stock and len(stock) >= 8, chosen
 
 
-# MLX's CUDA backend builds a kernel as: its fixed header (mlx/backend/cuda/device/utils.cuh
-# and cooperative groups), our header, then `__global__ void name(...)` whose parameters
-# are `const <type>* input` (+ `const __grid_constant__ Shape/Strides input_shape/_strides`
-# where the body names them) and `<type>* output`, template args as constexpr/using at the
-# top of the body (mlx/backend/cuda/custom_kernel.cpp, build_kernel). STAND_IN is the part
-# of utils.cuh our bodies use.
-STAND_IN = """
-#include <cstdint>
-#include <cooperative_groups.h>
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
-#include <cuda/std/array>
-#include <cuda/std/limits>
-#define MAX_NDIM 8
-using Shape = cuda::std::array<int32_t, MAX_NDIM>;
-using Strides = cuda::std::array<int64_t, MAX_NDIM>;
-"""
-
-
-def cuda_source(stem: str, section: str, inputs: list[tuple[str, str]], outputs: list[tuple[str, str]],
-                template: list[tuple[str, int | str]]) -> str:
-    from lmsp_mlx.kernels.sources import sections
-
-    src = sections(f"{stem}.cu")
-    body = src[section]
-    params = []
-    for name, ctype in inputs:
-        params.append(f"const {ctype}* {name}")
-        params += [f"const __grid_constant__ {t} {name}_{kind}" for kind, t in (("shape", "Shape"), ("strides", "Strides"))
-                   if f"{name}_{kind}" in body]
-    params += [f"{ctype}* {name}" for name, ctype in outputs]
-    consts = "".join(f"constexpr int {k} = {v};\n" if isinstance(v, int) else f"using {k} = {v};\n" for k, v in template)
-    return (f"{STAND_IN}\n{src['header']}\nnamespace mlx::core::cu {{\nnamespace cg = cooperative_groups;\n"
-            f"__global__ void lmsp_{stem}_{section}({', '.join(params)}) {{\n{consts}{body}}}\n}}\n")
-
-
 HALF, BF16, U32 = "__half", "__nv_bfloat16", "uint32_t"
 CUDA_BUILDS = {
-    "decode_attention, float16 cache, 8 query rows of 128": cuda_source(
+    "decode_attention, float16 cache, 8 query rows of 128": assemble(
         "decode_attention", "body",
         [("q", BF16), ("kw", U32), ("ks", HALF), ("kb", HALF), ("vw", U32), ("vs", HALF), ("vb", HALF)],
         [("o_acc", "float"), ("o_max", "float"), ("o_sum", "float")],
         [("T", BF16), ("S", HALF), ("D", 128), ("G", 8), ("BITS", 4), ("GS", 64), ("WARPS", 4), ("BATCH", 4),
          ("CHUNK", 256), ("SCALE", 1040187392)]),  # 0.125
-    "decode_attention merge, bfloat16 out": cuda_source(
+    "decode_attention merge, bfloat16 out": assemble(
         "decode_attention", "merge", [("acc", "float"), ("tops", "float"), ("totals", "float")], [("out", BF16)],
         [("T", BF16), ("D", 128), ("G", 8)]),
-    "expert gate_up, 3-bit (codes across words)": cuda_source(
+    "expert gate_up, 3-bit (codes across words)": assemble(
         "expert_swiglu", "gate_up",
         [("x", BF16), ("idx", U32), ("gw", U32), ("gs", HALF), ("gb", HALF), ("uw", U32), ("us", HALF), ("ub", HALF)],
         [("hid", "float")],
         [("S", HALF), ("D", 2048), ("H", 768), ("BITS", 3), ("GS", 64), ("WARPS", 4), ("ROWS", 4), ("X", BF16), ("K", 8)]),
-    "expert down, bfloat16 out": cuda_source(
+    "expert down, bfloat16 out": assemble(
         "expert_swiglu", "down",
         [("hid", "float"), ("idx", U32), ("dw", U32), ("ds", HALF), ("db", HALF)], [("y", BF16)],
         [("S", HALF), ("D", 2048), ("H", 768), ("BITS", 4), ("GS", 64), ("WARPS", 4), ("ROWS", 4), ("Y", BF16)]),
@@ -427,6 +392,17 @@ def test_cuda_twins_compile_as_mlx_assembles_them(case, tmp_path):
                            "-o", str(tmp_path / "kernel.o")], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     assert "0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads" in done.stderr, done.stderr
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="no nvcc: the CUDA timing programs need the CUDA toolkit")
+def test_the_cuda_timing_programs_build(tmp_path):
+    """benchmarks/cuda_kernels.py times the CUDA twins outside MLX on a lent GPU, where a
+    build error would cost device time: its programs (the defaults' launch code, the host
+    check against a float computation) compile here."""
+    from benchmarks.cuda_kernels import build
+
+    built = build(tmp_path, "sm_90", ["attention_b4_w4_t4_c256", "expert_b4_w4_r4"])
+    assert all(path.exists() for path in built.values()) and len(built) == 2
 
 
 # The kernel bodies themselves, run on the CPU by tests/simt.py (one OS thread per GPU
