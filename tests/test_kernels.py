@@ -3,9 +3,11 @@ has Metal or CUDA, the kernels themselves against the references."""
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import shutil
 import subprocess
+from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
@@ -175,11 +177,34 @@ needs_cpu_kernel = pytest.mark.skipif(not cpu_kernel.available(),
                                       reason="the compiled CPU kernels (lmsp_mlx/cpu_blas/_decode) are not built here")
 
 
+@pytest.fixture(scope="module")
+def portable_decode_build(tmp_path_factory):
+    """decode.c and experts.c built with -DLMSP_PORTABLE: the scalar paths that CPUs without
+    AVX2 and FMA take, which the installed build skips on this machine."""
+    if shutil.which("gcc") is None:
+        pytest.skip("no gcc to build the portable CPU kernels")
+    from lmsp_mlx import cpu_blas
+
+    here = Path(cpu_blas.__file__).parent
+    out = tmp_path_factory.mktemp("portable") / "decode.so"
+    subprocess.run(["gcc", "-O2", "-fopenmp", "-shared", "-fPIC", "-DLMSP_PORTABLE", "-o", str(out),
+                    str(here / "decode.c"), str(here / "experts.c"), "-lm"], check=True, timeout=120)
+    return cpu_blas.declare_decode(ctypes.CDLL(str(out)))
+
+
 @needs_cpu_kernel
+@pytest.mark.parametrize("build", ["installed", "portable"])
 @pytest.mark.parametrize("bits", [2, 3, 4, 8])
 @pytest.mark.parametrize("group_size", [32, 64])
 @pytest.mark.parametrize("tokens, k", [(1, 8), (3, 2)])
-def test_the_cpu_expert_kernel_matches_the_reference(bits, group_size, tokens, k):
+def test_the_cpu_expert_kernel_matches_the_reference(bits, group_size, tokens, k, build, request, monkeypatch):
+    """Both builds: the installed one (AVX2 for 2, 4 and 8 bits where the CPU has it) and the
+    portable one."""
+    if build == "portable":
+        from lmsp_mlx import cpu_blas
+
+        lib = request.getfixturevalue("portable_decode_build")
+        monkeypatch.setattr(cpu_blas, "decode_kernel", lambda: lib)
     d, h, experts = 256, 192, 10
     gate, up = (quantized_experts(experts, h, d, group_size, bits) for _ in range(2))
     down = quantized_experts(experts, d, h, group_size, bits)

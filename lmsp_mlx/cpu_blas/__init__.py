@@ -106,14 +106,18 @@ def decode_kernel() -> ctypes.CDLL | None:
         spec = importlib.util.find_spec("lmsp_mlx.cpu_blas._decode")
         if spec is None or spec.origin is None:
             return None
-        lib = ctypes.CDLL(spec.origin)
-        lib.lmsp_decode_step.argtypes = [ctypes.c_void_p, ctypes.c_int32, ctypes.c_int32] + [ctypes.c_void_p] * 4
-        lib.lmsp_decode_step.restype = None
-        lib.lmsp_expert_swiglu.argtypes = ([ctypes.c_void_p] * 2 + [ctypes.c_int64] * 3 + [ctypes.c_void_p] * 9
-                                           + [ctypes.c_int64] * 2 + [ctypes.c_int] * 2 + [ctypes.c_void_p] * 3)
-        lib.lmsp_expert_swiglu.restype = ctypes.c_int
-        _decode = lib
+        _decode = declare_decode(ctypes.CDLL(spec.origin))
     return _decode
+
+
+def declare_decode(lib: ctypes.CDLL) -> ctypes.CDLL:
+    """`lib` (a build of decode.c and experts.c) with its functions' C signatures set."""
+    lib.lmsp_decode_step.argtypes = [ctypes.c_void_p, ctypes.c_int32, ctypes.c_int32] + [ctypes.c_void_p] * 4
+    lib.lmsp_decode_step.restype = None
+    lib.lmsp_expert_swiglu.argtypes = ([ctypes.c_void_p] * 2 + [ctypes.c_int64] * 3 + [ctypes.c_void_p] * 9
+                                       + [ctypes.c_int64] * 2 + [ctypes.c_int] * 2 + [ctypes.c_void_p] * 3)
+    lib.lmsp_expert_swiglu.restype = ctypes.c_int
+    return lib
 
 
 def park_blas_threads() -> None:
