@@ -8,7 +8,7 @@ Every query position sees all N cached positions, as in a decode step.
 The kernel (decode_attention.metal / .cu) reads K and V where the cache keeps them (the
 views' strides, no copy), in splits of CHUNK positions across the GPU; a second, small
 kernel merges the splits' partial softmax states. Shapes it does not take (head sizes
-that are not a multiple of 32, more than 1024 query values per KV head, grids past CUDA's
+that are not a multiple of 32, values narrower than keys, more than 1024 query values per KV head, grids past CUDA's
 limits) go to the reference, as every call does where MLX has no Metal or CUDA.
 """
 
@@ -28,10 +28,10 @@ WARPS = 4  # simdgroups per threadgroup (their merge takes WARPS * G * D floats 
 BATCH = 4  # positions a simdgroup loads together
 
 
-def _fits(queries: mx.array, keys, group_size: int, bits: int) -> bool:
+def _fits(queries: mx.array, keys, values, group_size: int, bits: int) -> bool:
     b, hq, length, d = queries.shape
     hkv = keys[0].shape[1]
-    return (d % 32 == 0 and d % group_size == 0 and hq % hkv == 0 and (hq // hkv) * length * d <= 1024
+    return (d % 32 == 0 and values[0].shape[-1] == keys[0].shape[-1]  # one head size for K and V and d % group_size == 0 and hq % hkv == 0 and (hq // hkv) * length * d <= 1024
             and bits in KV_BITS and group_size in GROUP_SIZES and keys[0].shape[2] > 0
             and b * hq * length < 65536 and -(-keys[0].shape[2] // CHUNK) < 65536)  # CUDA's grid y and z limits
 
@@ -80,7 +80,7 @@ def _config(queries, keys, values, scale, group_size, bits) -> tuple:
 
 
 def _takes(queries, keys, values, scale, group_size, bits) -> bool:
-    return _fits(queries, keys, group_size, bits)
+    return _fits(queries, keys, values, group_size, bits)
 
 
 # Half outputs round to 2^-8 (bfloat16); float32 allows for the reference's matmuls

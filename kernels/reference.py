@@ -45,14 +45,16 @@ def decode_attention(queries: mx.array, keys: tuple[mx.array, mx.array, mx.array
     QuantizedKVCache returns them, (B, Hkv, N, ...); every query sees all N positions
     (no mask: the decode step's last position). Grouped-query heads: query head h reads
     KV head h // (Hq / Hkv). The softmax is online over blocks of positions, so no
-    N-long score row is ever held. Returns (B, Hq, L, D) in the queries' dtype."""
+    N-long score row is ever held. Returns (B, Hq, L, Dv) in the queries' dtype, Dv the
+    values' head size (the keys' for most models)."""
     b, hq, length, d = queries.shape
     hkv, n = keys[0].shape[1], keys[0].shape[2]
+    dv = values[0].shape[-1] * 32 // bits  # values may be narrower than keys (DeepSeek V2: 128 of 192)
     rows = hq // hkv * length
     q = (queries.astype(mx.float32) * scale).reshape(b, hkv, rows, d)
     top = mx.full((b, hkv, rows, 1), -mx.inf, mx.float32)
     total = mx.zeros((b, hkv, rows, 1), mx.float32)
-    acc = mx.zeros((b, hkv, rows, d), mx.float32)
+    acc = mx.zeros((b, hkv, rows, dv), mx.float32)
     for start in range(0, n, ATTENTION_BLOCK):
         part = slice(start, min(start + ATTENTION_BLOCK, n))
         k = mx.dequantize(*(a[:, :, part] for a in keys), group_size, bits).astype(mx.float32)
@@ -64,4 +66,4 @@ def decode_attention(queries: mx.array, keys: tuple[mx.array, mx.array, mx.array
         total = total * fade + p.sum(-1, keepdims=True)
         acc = acc * fade + p @ v
         top = new_top
-    return (acc / total).reshape(b, hq, length, d).astype(queries.dtype)
+    return (acc / total).reshape(b, hq, length, dv).astype(queries.dtype)

@@ -158,19 +158,32 @@ ATTENTION_CASES = [
 
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("group_size", [32, 64])
-@pytest.mark.parametrize("batch, hq, hkv, n, d", ATTENTION_CASES)
-def test_attention_reference_matches_float_sdpa_and_the_quantized_composite(bits, group_size, batch, hq, hkv, n, d):
+@pytest.mark.parametrize("batch, hq, hkv, n, d, dv", [(*case, case[-1]) for case in ATTENTION_CASES]
+                         + [(1, 4, 2, 70, 192, 128)])  # values narrower than keys, as DeepSeek V2's
+def test_attention_reference_matches_float_sdpa_and_the_quantized_composite(bits, group_size, batch, hq, hkv, n, d,
+                                                                            dv):
     keys = quantized_kv(batch, hkv, n, d, group_size, bits, spare=100)
-    values = quantized_kv(batch, hkv, n, d, group_size, bits, spare=100)
+    values = quantized_kv(batch, hkv, n, dv, group_size, bits, spare=100)
     q, scale = mx.random.normal((batch, hq, 1, d)), d**-0.5
     got = reference.decode_attention(q, keys, values, scale, group_size, bits)
-    assert got.shape == (batch, hq, 1, d)
+    assert got.shape == (batch, hq, 1, dv)
     assert rel_err(got, float_attention(q, keys, values, scale, group_size, bits)) < 1e-5
     k, v = (mx.dequantize(*kv, group_size, bits) for kv in (keys, values))
     assert rel_err(got, mx.fast.scaled_dot_product_attention(q, k, v, scale=scale)) < 1e-5
+    if dv != d:  # mlx-lm's composite reshapes its output to the keys' head size and raises
+        return
     composite = builtin(lambda: base.quantized_scaled_dot_product_attention(q, keys, values, scale, None,
                                                                            group_size, bits))
     assert composite is None or rel_err(got, composite) < 1e-4
+
+
+def test_the_attention_kernel_leaves_values_narrower_than_keys_to_the_reference():
+    """The kernels read K and V with one head size; DeepSeek V2's values (128 of the keys'
+    192) go to the reference, which sizes them apart."""
+    keys, values = quantized_kv(1, 2, 40, 192, 64, 4), quantized_kv(1, 2, 40, 128, 64, 4)
+    q = mx.random.normal((1, 4, 1, 192))
+    assert not attention_module._fits(q, keys, values, 64, 4)
+    assert attention_module._fits(q, keys, keys, 64, 4)
 
 
 needs_cpu_kernel = pytest.mark.skipif(not cpu_kernel.available(),
