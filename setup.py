@@ -20,12 +20,13 @@ if sys.platform.startswith("linux"):
             optional=True,
         )
     )
-    # The fused decode step and the quantized MoE experts (OpenMP across the cores); their
+    # The fused decode step, the quantized MoE experts and attention over a quantized KV
+    # cache (OpenMP across the cores); their
     # own module, so a compiler without OpenMP loses only these, not the BLAS shim.
     ext_modules.append(
         Extension(
             "lmsp_mlx.cpu_blas._decode",
-            sources=["lmsp_mlx/cpu_blas/decode.c", "lmsp_mlx/cpu_blas/experts.c"],
+            sources=["lmsp_mlx/cpu_blas/decode.c", "lmsp_mlx/cpu_blas/experts.c", "lmsp_mlx/cpu_blas/attention.c"],
             depends=["lmsp_mlx/cpu_blas/simd.h", "lmsp_mlx/cpu_blas/model.h"],
             extra_compile_args=["-O3", "-fopenmp"],
             extra_link_args=["-fopenmp"],

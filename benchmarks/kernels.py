@@ -11,7 +11,7 @@ experts of hidden 768, top 8; 32 query heads over 4 KV heads of 128):
   mx.quantized_matmul around a softmax over the whole score row).
 
 "ours" is the kernel where MLX has Metal or CUDA; on the CPU build it is the compiled CPU
-expert kernel (kernels/cpu.py) and the attention reference, what `auto` runs there. The
+kernels (experts.c and attention.c, kernels/cpu.py), what `auto` runs there. The
 `path` column says which ran, read off the dispatch's counters (a kernel that failed its
 first-call check shows as the reference). One timing is a chain of --chain calls in
 one evaluation, each call's input the previous call's output (for the experts, through
@@ -235,7 +235,7 @@ def main() -> None:
     backend = kernels.backend()
     chain = args.chain or (16 if backend else 1)
     path_name = (f"kernel on {backend}" if backend
-                 else "CPU build: experts.c for the experts where built, the reference for attention")
+                 else "CPU build: experts.c and attention.c where built")
     print(f"device: {mx.default_device()}, ours: {path_name}, {chain} calls per timing", flush=True)
     bandwidth = read_bandwidth()
     print(f"read bandwidth {bandwidth / 1e9:.0f} GB/s", flush=True)

@@ -8,8 +8,9 @@ Every query position sees all N cached positions, as in a decode step.
 The kernel (decode_attention.metal / .cu) reads K and V where the cache keeps them (the
 views' strides, no copy), in splits of CHUNK positions across the GPU; a second, small
 kernel merges the splits' partial softmax states. Shapes it does not take (head sizes
-that are not a multiple of 32, values narrower than keys, more than 1024 query values per KV head, grids past CUDA's
-limits) go to the reference, as every call does where MLX has no Metal or CUDA.
+that are not a multiple of 32, values narrower than keys, more than 1024 query values
+per KV head, grids past CUDA's limits) go to the reference. On MLX's CPU build the kernel
+is attention.c (kernels/cpu.py) for a float32 model's cache, the reference otherwise.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import struct
 
 import mlx.core as mx
 
-from . import reference
+from . import cpu, reference
 from .dispatch import Dispatch, backend, close
 from .quantized import GROUP_SIZES, KV_BITS
 from .sources import kernel as build
@@ -79,12 +80,19 @@ def _config(queries, keys, values, scale, group_size, bits) -> tuple:
             group_size, str(keys[1].dtype), str(queries.dtype), float_bits(scale))
 
 
+def _kernel(queries, keys, values, scale, group_size, bits):
+    """This build's kernel: the GPU one, or on the CPU build attention.c (kernels/cpu.py)."""
+    return (kernel if backend() else cpu.decode_attention)(queries, keys, values, scale, group_size, bits)
+
+
 def _takes(queries, keys, values, scale, group_size, bits) -> bool:
-    return _fits(queries, keys, values, group_size, bits)
+    if backend():
+        return _fits(queries, keys, values, group_size, bits)
+    return cpu.attention_takes(queries, keys, values, group_size, bits)
 
 
 # Half outputs round to 2^-8 (bfloat16); float32 allows for the reference's matmuls
 # running as TF32 (see experts.py).
-decode_attention = Dispatch("decode_attention", kernel, reference.decode_attention, _config,
+decode_attention = Dispatch("decode_attention", _kernel, reference.decode_attention, _config,
                             lambda got, want: close(got, want, 2e-2 if got.dtype != mx.float32 else 5e-3),
-                            fits=_takes)
+                            available=lambda: backend() is not None or cpu.available(), fits=_takes)

@@ -1,11 +1,14 @@
-"""The CPU build's expert kernel: lmsp_mlx/cpu_blas/experts.c through ctypes.
+"""The CPU build's kernels: lmsp_mlx/cpu_blas/experts.c and attention.c through ctypes.
 
 MLX's CPU build has no Metal or CUDA. There, mlx-lm's gather_qmm path took 28-48 ms for
 one token through a 30B-A3B layer's 8 experts, and the reference, which dequantizes them
 to memory, 427 ms. experts.c reads each chosen row once, 32 codes at a time, across the
-cores (2.6-2.8 ms with its AVX2 path, 11-13 ms portable). It takes what the CPU loader produces: float32 x, scales and biases,
-codes of 1-8 bits, groups that are multiples of 32. Anything else (or a build without the
-compiled module) is not taken: `takes` says so and mlx-lm's own path runs.
+cores (2.6-2.8 ms with its AVX2 path, 11-13 ms portable). attention.c does the same for a
+decode step's attention over a quantized KV cache, where the reference dequantizes blocks
+of positions to memory. Both take what a float32 model produces: float32 activations,
+scales and biases, codes of 1-8 bits, groups that are multiples of 32. Anything else (or a
+build without the compiled module) is not taken: the `*_takes` functions say so, and the
+dispatch's fallback runs.
 """
 
 from __future__ import annotations
@@ -23,8 +26,8 @@ def available() -> bool:
     return cpu_blas.decode_kernel() is not None
 
 
-def takes(x: mx.array, indices: mx.array, gate: QuantizedExperts, up: QuantizedExperts,
-          down: QuantizedExperts) -> bool:
+def expert_takes(x: mx.array, indices: mx.array, gate: QuantizedExperts, up: QuantizedExperts,
+                 down: QuantizedExperts) -> bool:
     parts = (gate, up, down)
     d, h = x.shape[-1], gate.output_dims
     return (available() and x.dtype == mx.float32 and len({(p.bits, p.group_size) for p in parts}) == 1
@@ -41,7 +44,7 @@ def _contiguous(a: mx.array) -> np.ndarray:
 
 def expert_swiglu(x: mx.array, indices: mx.array, gate: QuantizedExperts, up: QuantizedExperts,
                   down: QuantizedExperts) -> mx.array:
-    """reference.expert_swiglu's result, computed by experts.c (call `takes` first)."""
+    """reference.expert_swiglu's result, computed by experts.c (call `expert_takes` first)."""
     *lead, d = x.shape
     k, h = indices.shape[-1], gate.output_dims
     tokens = math.prod(lead)
@@ -59,3 +62,40 @@ def expert_swiglu(x: mx.array, indices: mx.array, gate: QuantizedExperts, up: Qu
     if done != 0:
         raise ValueError(f"experts.c does not take this shape: x {x.shape}, bits {gate.bits}, group {gate.group_size}")
     return mx.array(y).reshape(*lead, k, d)
+
+
+def attention_takes(queries: mx.array, keys, values, group_size: int, bits: int) -> bool:
+    b, hq, length, d = queries.shape
+    hkv, n = keys[0].shape[1], keys[0].shape[2]
+    return (available() and queries.dtype == mx.float32 and hq % hkv == 0 and n > 0
+            and all(a.dtype == mx.float32 for a in (*keys[1:], *values[1:]))
+            and values[0].shape[-1] == keys[0].shape[-1] and d == keys[0].shape[-1] * 32 // bits
+            and d % 32 == 0 and group_size % 32 == 0 and d % group_size == 0 and 1 <= bits <= 8)
+
+
+def _strided(a: mx.array) -> tuple[np.ndarray, list[int]]:
+    """A zero-copy numpy view of a cache view, and its (batch, head, row) strides in elements
+    (a copy only if its last axis is strided)."""
+    view = np.asarray(a)
+    if view.strides[-1] != view.itemsize:
+        view = np.ascontiguousarray(view)
+    return view, [s // view.itemsize for s in view.strides[:3]]
+
+
+def decode_attention(queries: mx.array, keys, values, scale: float, group_size: int, bits: int) -> mx.array:
+    """reference.decode_attention's result, computed by attention.c (call `attention_takes` first)."""
+    b, hq, length, d = queries.shape
+    hkv, n = keys[0].shape[1], keys[0].shape[2]
+    rows = hq // hkv * length
+    q = _contiguous(queries.reshape(b, hkv, rows, d))
+    views = [_strided(a) for a in (*keys, *values)]
+    strides = np.array([s for _, part in views for s in part], np.int64)
+    out = np.empty((b, hkv, rows, d), np.float32)
+    cpu_blas.park_blas_threads()  # OpenBLAS's spinning workers would halve the OpenMP loop
+    done = cpu_blas.decode_kernel().lmsp_decode_attention(
+        q.ctypes.data, b, hkv, rows, d, n, *(v.ctypes.data for v, _ in views), strides.ctypes.data, bits, group_size,
+        scale, out.ctypes.data)
+    if done != 0:
+        raise ValueError(f"attention.c did not take this call (status {done}): queries {queries.shape}, "
+                         f"bits {bits}, group {group_size}")
+    return mx.array(out).reshape(b, hq, length, d)

@@ -2,12 +2,12 @@
 
 `LMSP_KERNELS` chooses:
 - `auto` (default): the kernel where one exists for this build and takes the shape
-  (Metal on Apple silicon, CUDA under MLX's CUDA backend; for the experts also the
-  compiled CPU kernel of the Linux build, kernels/cpu.py). Elsewhere, the faster of the
-  other two as measured on the CPU build: the caller's `builtin` (MLX's own path, as
-  mlx-lm runs it) where it passes one, else the reference. The experts pass mlx-lm's
-  gather_qmm path (9x faster than their reference in float32); attention passes none
-  (its reference beat mlx-lm's quantized attention). The first call of each kernel
+  (Metal on Apple silicon, CUDA under MLX's CUDA backend, and on the Linux CPU build the
+  compiled experts.c and attention.c for a float32 model, kernels/cpu.py). Elsewhere,
+  the faster of the other two as measured on the CPU build: the caller's `builtin`
+  (MLX's own path, as mlx-lm runs it) where it passes one, else the reference. The
+  experts pass mlx-lm's gather_qmm path (9x faster than their reference in float32);
+  attention passes none (its reference beat mlx-lm's quantized attention). The first call of each kernel
   configuration (shapes, bit width, dtypes) also runs the reference and compares: a
   kernel that fails to compile or disagrees is logged once and not used for that
   configuration, so a driver or toolchain we never ran cannot give wrong tokens.

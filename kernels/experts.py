@@ -82,7 +82,7 @@ def _kernel(x, indices, gate, up, down):
 
 
 def _takes(x, indices, gate, up, down) -> bool:
-    return (_fits if backend() else cpu.takes)(x, indices, gate, up, down)
+    return (_fits if backend() else cpu.expert_takes)(x, indices, gate, up, down)
 
 
 # float32's tolerance allows for the reference's matmuls running as TF32 (MLX_ENABLE_TF32,

@@ -192,8 +192,8 @@ needs_cpu_kernel = pytest.mark.skipif(not cpu_kernel.available(),
 
 @pytest.fixture(scope="module")
 def portable_decode_build(tmp_path_factory):
-    """decode.c and experts.c built with -DLMSP_PORTABLE: the scalar paths that CPUs without
-    AVX2 and FMA take, which the installed build skips on this machine."""
+    """The _decode module's sources (setup.py) built with -DLMSP_PORTABLE: the scalar paths
+    that CPUs without AVX2 and FMA take, which the installed build skips on this machine."""
     if shutil.which("gcc") is None:
         pytest.skip("no gcc to build the portable CPU kernels")
     from lmsp_mlx import cpu_blas
@@ -201,7 +201,7 @@ def portable_decode_build(tmp_path_factory):
     here = Path(cpu_blas.__file__).parent
     out = tmp_path_factory.mktemp("portable") / "decode.so"
     subprocess.run(["gcc", "-O2", "-fopenmp", "-shared", "-fPIC", "-DLMSP_PORTABLE", "-o", str(out),
-                    str(here / "decode.c"), str(here / "experts.c"), "-lm"], check=True, timeout=120)
+                    *(str(here / f) for f in ("decode.c", "experts.c", "attention.c")), "-lm"], check=True, timeout=120)
     return cpu_blas.declare_decode(ctypes.CDLL(str(out)))
 
 
@@ -223,10 +223,47 @@ def test_the_cpu_expert_kernel_matches_the_reference(bits, group_size, tokens, k
     down = quantized_experts(experts, d, h, group_size, bits)
     x = mx.random.normal((tokens, d))
     indices = mx.stack([mx.random.permutation(experts)[:k] for _ in range(tokens)]).astype(mx.uint32)
-    assert cpu_kernel.takes(x, indices, gate, up, down)
+    assert cpu_kernel.expert_takes(x, indices, gate, up, down)
     got = cpu_kernel.expert_swiglu(x, indices, gate, up, down)
     assert got.shape == (tokens, k, d) and got.dtype == mx.float32
     assert rel_err(got, reference.expert_swiglu(x, indices, gate, up, down)) < 1e-5
+
+
+@needs_cpu_kernel
+@pytest.mark.parametrize("build", ["installed", "portable"])
+@pytest.mark.parametrize("bits", [2, 3, 4, 8])
+@pytest.mark.parametrize("group_size", [32, 64])
+@pytest.mark.parametrize("batch, hq, hkv, n, d", ATTENTION_CASES + [(1, 32, 4, 1100, 128), (1, 4, 2, 37, 96)])
+def test_the_cpu_attention_kernel_matches_the_reference(bits, group_size, batch, hq, hkv, n, d, build, request,
+                                                        monkeypatch):
+    """attention.c against the reference on cache views of a longer buffer (the strides a
+    QuantizedKVCache hands over): several splits of 512 positions with a partial one, blocks
+    of 32 cut short, grouped heads, batches; both builds, as for the experts."""
+    if d % group_size:
+        pytest.skip("a head size the group does not divide")
+    if build == "portable":
+        from lmsp_mlx import cpu_blas
+
+        lib = request.getfixturevalue("portable_decode_build")
+        monkeypatch.setattr(cpu_blas, "decode_kernel", lambda: lib)
+    keys = quantized_kv(batch, hkv, n, d, group_size, bits, spare=100)
+    values = quantized_kv(batch, hkv, n, d, group_size, bits, spare=100)
+    q, scale = mx.random.normal((batch, hq, 1, d)), d**-0.5
+    assert cpu_kernel.attention_takes(q, keys, values, group_size, bits)
+    got = cpu_kernel.decode_attention(q, keys, values, scale, group_size, bits)
+    assert got.shape == (batch, hq, 1, d) and got.dtype == mx.float32
+    assert rel_err(got, reference.decode_attention(q, keys, values, scale, group_size, bits)) < 1e-5
+
+
+@needs_cpu_kernel
+def test_the_cpu_attention_kernel_leaves_what_it_cannot_read_to_the_fallback():
+    keys, q = quantized_kv(1, 2, 40, 64, 32, 4), mx.random.normal((1, 4, 1, 64))
+    assert cpu_kernel.attention_takes(q, keys, keys, 32, 4)
+    half = tuple(a.astype(mx.float16) if a.dtype == mx.float32 else a for a in keys)
+    assert not cpu_kernel.attention_takes(q, half, half, 32, 4)  # a half model's cache
+    assert not cpu_kernel.attention_takes(q.astype(mx.float16), keys, keys, 32, 4)
+    narrow = quantized_kv(1, 2, 40, 32, 32, 4)
+    assert not cpu_kernel.attention_takes(q, keys, narrow, 32, 4)  # values narrower than keys
 
 
 @needs_cpu_kernel
@@ -237,8 +274,8 @@ def test_the_cpu_expert_kernel_refuses_what_it_cannot_read():
     with pytest.raises(ValueError, match="does not take"):  # an expert id past the table: no read out of bounds
         cpu_kernel.expert_swiglu(x, mx.array([[1, 4]], mx.uint32), gate, up, down)
     half = [p._replace(scales=p.scales.astype(mx.float16)) for p in (gate, up, down)]
-    assert not cpu_kernel.takes(x, mx.array([[1, 2]], mx.uint32), *half)  # half scales: the reference runs
-    assert not cpu_kernel.takes(x.astype(mx.float16), mx.array([[1, 2]], mx.uint32), gate, up, down)
+    assert not cpu_kernel.expert_takes(x, mx.array([[1, 2]], mx.uint32), *half)  # half scales: the reference runs
+    assert not cpu_kernel.expert_takes(x.astype(mx.float16), mx.array([[1, 2]], mx.uint32), gate, up, down)
 
 
 @pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16])
@@ -304,7 +341,7 @@ def test_dispatch_modes(monkeypatch):
         kernels.decode_attention(*x)
     monkeypatch.setenv("LMSP_KERNELS", "reference")
     assert rel_err(kernels.decode_attention(*x), reference.decode_attention(*x)) == 0
-    if kernels.backend() is None:
+    if kernels.backend() is None and not cpu_kernel.available():  # no kernel of any kind here
         monkeypatch.setenv("LMSP_KERNELS", "kernel")
         with pytest.raises(RuntimeError, match="no Metal or CUDA backend"):
             kernels.decode_attention(*x)
@@ -312,6 +349,12 @@ def test_dispatch_modes(monkeypatch):
         before = kernels.decode_attention.calls["reference"]
         kernels.decode_attention(*x)
         assert kernels.decode_attention.calls["reference"] == before + 1
+    elif kernels.backend() is None:  # the CPU build's compiled kernel (attention.c)
+        for chosen in ("kernel", "auto"):
+            monkeypatch.setenv("LMSP_KERNELS", chosen)
+            before = kernels.decode_attention.calls["kernel"]
+            assert rel_err(kernels.decode_attention(*x), reference.decode_attention(*x)) < 1e-5
+            assert kernels.decode_attention.calls["kernel"] == before + 1, chosen
 
 
 def test_auto_mode_checks_each_kernel_configuration_once_and_keeps_only_agreeing_kernels(monkeypatch, caplog):
@@ -378,8 +421,8 @@ def test_tiny_moe_model_gives_the_same_greedy_tokens_through_the_engine_with_the
 
 
 def test_kv_bits_decode_gives_the_same_greedy_tokens_with_the_attention_kernel_path(tmp_path, monkeypatch):
-    """The same for a --kv-bits cache: the reference path, and `auto` (the kernel where MLX
-    has Metal or CUDA, the reference elsewhere)."""
+    """The same for a --kv-bits cache: the reference path, and `auto` (the kernel where this
+    build has one: Metal, CUDA, or attention.c on the CPU build; the reference elsewhere)."""
     path = build_tiny_model(tmp_path / "m", head_dim=64)
     prompt = list(range(30, 130))
     caches = lambda lm: [QuantizedKVCache(group_size=32, bits=4) for _ in lm.model.layers]  # noqa: E731

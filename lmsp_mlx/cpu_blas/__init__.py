@@ -98,8 +98,8 @@ _decode: ctypes.CDLL | None = None
 
 
 def decode_kernel() -> ctypes.CDLL | None:
-    """The compiled decode step (`decode.c`) and quantized MoE experts (`experts.c`), both
-    OpenMP, or None where they were not built (Linux only; a compiler without OpenMP skips
+    """The compiled decode step (`decode.c`), quantized MoE experts (`experts.c`) and
+    attention over a quantized KV cache (`attention.c`), all OpenMP, or None where they were not built (Linux only; a compiler without OpenMP skips
     them). ctypes releases the GIL while they run."""
     global _decode
     if _decode is None and sys.platform.startswith("linux"):
@@ -117,6 +117,9 @@ def declare_decode(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.lmsp_expert_swiglu.argtypes = ([ctypes.c_void_p] * 2 + [ctypes.c_int64] * 3 + [ctypes.c_void_p] * 9
                                        + [ctypes.c_int64] * 2 + [ctypes.c_int] * 2 + [ctypes.c_void_p] * 3)
     lib.lmsp_expert_swiglu.restype = ctypes.c_int
+    lib.lmsp_decode_attention.argtypes = ([ctypes.c_void_p] + [ctypes.c_int64] * 5 + [ctypes.c_void_p] * 7
+                                          + [ctypes.c_int] * 2 + [ctypes.c_float, ctypes.c_void_p])
+    lib.lmsp_decode_attention.restype = ctypes.c_int
     return lib
 
 

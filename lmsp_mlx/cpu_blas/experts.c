@@ -69,23 +69,10 @@ static inline float row_dot(const uint32_t *w, const float *scales, const float 
 
 #if defined(__x86_64__)
 /* The AVX2 path (2, 4 and 8 bits, what quantized models use): a chunk's bytes widen to 8
- * codes at a time (vpmovzxbd) and meet x in the order the unpack leaves them in, so x is
- * kept per chunk in that order (permute_chunks, once per token) and no shuffle runs per
- * row. 4-bit: byte b holds codes 2b (low nibble) and 2b+1 (high), so the low nibbles of
- * the 16 bytes meet x[0, 2, .., 30] and the high ones x[1, 3, .., 31]. 2-bit: byte b holds
- * codes 4b .. 4b+3, so bits 2s of the 8 bytes meet x[s, 4+s, .., 28+s]. 8-bit: code order. */
-static void permute_chunks(const float *x, float *xp, int64_t n, int bits) {
-    const int per_byte = 8 / bits, bytes = 32 / per_byte;
-    for (int64_t c = 0; c < n / 32; c++)
-        for (int s = 0; s < per_byte; s++)
-            for (int b = 0; b < bytes; b++) xp[c * 32 + s * bytes + b] = x[c * 32 + b * per_byte + s];
-}
-
-__attribute__((target("avx2,fma"))) static inline __m256 widen8(__m128i bytes) {
-    return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes));  /* the low 8 bytes, as floats */
-}
-
-/* row_dot for bits 2, 4 or 8 against x permuted by permute_chunks. */
+ * codes at a time and meet x in the order the unpack leaves them in, so x is kept per
+ * chunk in that order (to_chunk_order in simd.h, once per token) and no shuffle runs per
+ * row. */
+/* row_dot for bits 2, 4 or 8 against x in chunk order (simd.h). */
 __attribute__((target("avx2,fma"))) static float row_dot_avx2(const uint32_t *w, const float *scales,
                                                               const float *biases, const float *xp,
                                                               const float *xsum, int64_t n, int bits, int group) {
@@ -129,7 +116,7 @@ static void chunk_sums(const float *x, float *sums, int64_t n) {
     }
 }
 
-/* One row through the AVX2 path where `fast` (x permuted), else the portable one. */
+/* One row through the AVX2 path where `fast` (x in chunk order), else the portable one. */
 static inline float row(int fast, const uint32_t *w, const float *scales, const float *biases, const float *x,
                         const float *xsum, int64_t n, int bits, int group) {
 #if defined(__x86_64__)
@@ -154,7 +141,7 @@ LMSP_CLONES int lmsp_expert_swiglu(const float *x, const uint32_t *idx, int64_t 
     float *xsums = sums, *hsums = sums + tokens * (d / 32);
     for (int64_t t = 0; t < tokens; t++) chunk_sums(x + t * d, xsums + t * (d / 32), d);
 
-    /* The AVX2 path reads x and the hidden vectors permuted (permute_chunks). */
+    /* The AVX2 path reads x and the hidden vectors in chunk order (simd.h). */
     float *xp = NULL, *hp = NULL;
 #if defined(__x86_64__)
     if (has_avx2() && (bits == 2 || bits == 4 || bits == 8)) {
@@ -166,7 +153,7 @@ LMSP_CLONES int lmsp_expert_swiglu(const float *x, const uint32_t *idx, int64_t 
         }
     }
     if (xp != NULL)
-        for (int64_t t = 0; t < tokens; t++) permute_chunks(x + t * d, xp + t * d, d, bits);
+        for (int64_t t = 0; t < tokens; t++) to_chunk_order(x + t * d, xp + t * d, d, bits);
 #endif
     const int fast = xp != NULL;
     const float *xin = fast ? xp : x, *hin = fast ? hp : hidden;
@@ -182,7 +169,7 @@ LMSP_CLONES int lmsp_expert_swiglu(const float *x, const uint32_t *idx, int64_t 
     for (int64_t p = 0; p < pairs; p++) chunk_sums(hidden + p * h, hsums + p * (h / 32), h);
 #if defined(__x86_64__)
     if (fast)
-        for (int64_t p = 0; p < pairs; p++) permute_chunks(hidden + p * h, hp + p * h, h, bits);
+        for (int64_t p = 0; p < pairs; p++) to_chunk_order(hidden + p * h, hp + p * h, h, bits);
 #endif
 
 #pragma omp parallel for schedule(static)

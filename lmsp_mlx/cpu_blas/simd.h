@@ -8,6 +8,8 @@
 #ifndef LMSP_SIMD_H
 #define LMSP_SIMD_H
 
+#include <stdint.h>
+
 #if defined(__x86_64__)
 #include <immintrin.h>
 #endif
@@ -40,6 +42,33 @@ __attribute__((target("avx2,fma"))) static inline float hsum8(__m256 v) {
     s = _mm_add_ss(s, _mm_movehdup_ps(s));
     return _mm_cvtss_f32(s);
 }
+
+/* Quantized rows of 2, 4 or 8 bits, widened by bytes (experts.c, attention.c): a chunk of 32
+ * codes is BITS words, whose bytes widen to 8 codes at a time (vpmovzxbd, widen8). That
+ * leaves the codes in "chunk order", not their own: 4-bit: byte b holds codes 2b (low
+ * nibble) and 2b+1 (high), so the low nibbles of the 16 bytes come first (codes 0, 2, ..,
+ * 30), then the high ones; 2-bit: byte b holds codes 4b .. 4b+3, so bits 2s of the 8 bytes
+ * give codes s, 4+s, .., 28+s, for s = 0 .. 3; 8-bit: code order. The vectors the codes
+ * meet are kept in chunk order too (to_chunk_order), so no shuffle runs per row. */
+static inline void to_chunk_order(const float *x, float *xp, int64_t n, int bits) {
+    const int per_byte = 8 / bits, bytes = 32 / per_byte;
+    for (int64_t c = 0; c < n / 32; c++)
+        for (int s = 0; s < per_byte; s++)
+            for (int b = 0; b < bytes; b++) xp[c * 32 + s * bytes + b] = x[c * 32 + b * per_byte + s];
+}
+
+static inline void from_chunk_order(const float *xp, float *x, int64_t n, int bits) {
+    const int per_byte = 8 / bits, bytes = 32 / per_byte;
+    for (int64_t c = 0; c < n / 32; c++)
+        for (int s = 0; s < per_byte; s++)
+            for (int b = 0; b < bytes; b++) x[c * 32 + b * per_byte + s] = xp[c * 32 + s * bytes + b];
+}
+
+#if defined(__x86_64__)
+__attribute__((target("avx2,fma"))) static inline __m256 widen8(__m128i bytes) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes)); /* the low 8 bytes, as floats */
+}
+#endif
 
 /* AVX2 and FMA, checked once at run time (the scalar paths serve everything else; a build
  * with -DLMSP_PORTABLE takes them everywhere, which is how the tests reach them here). */
