@@ -32,7 +32,8 @@ BATCH = 4  # positions a simdgroup loads together
 def _fits(queries: mx.array, keys, values, group_size: int, bits: int) -> bool:
     b, hq, length, d = queries.shape
     hkv = keys[0].shape[1]
-    return (d % 32 == 0 and values[0].shape[-1] == keys[0].shape[-1]  # one head size for K and V and d % group_size == 0 and hq % hkv == 0 and (hq // hkv) * length * d <= 1024
+    return (d % 32 == 0 and d % group_size == 0 and hq % hkv == 0 and (hq // hkv) * length * d <= 1024
+            and values[0].shape[-1] == keys[0].shape[-1]  # one head size for K and V
             and bits in KV_BITS and group_size in GROUP_SIZES and keys[0].shape[2] > 0
             and b * hq * length < 65536 and -(-keys[0].shape[2] // CHUNK) < 65536)  # CUDA's grid y and z limits
 

@@ -7,10 +7,10 @@
   the faster of the other two as measured on the CPU build: the caller's `builtin`
   (MLX's own path, as mlx-lm runs it) where it passes one, else the reference. The
   experts pass mlx-lm's gather_qmm path (9x faster than their reference in float32);
-  attention passes none (its reference beat mlx-lm's quantized attention). The first call of each kernel
-  configuration (shapes, bit width, dtypes) also runs the reference and compares: a
-  kernel that fails to compile or disagrees is logged once and not used for that
-  configuration, so a driver or toolchain we never ran cannot give wrong tokens.
+  attention passes none (its reference beat mlx-lm's quantized attention). The first
+  call of each kernel configuration (shapes, bit width, dtypes) also runs the reference
+  and compares: a kernel that fails to compile or disagrees is logged once and not used
+  for that configuration, so a driver or toolchain we never ran cannot give wrong tokens.
 - `reference`: always the pure-MLX reference (tests: what each kernel must compute).
 - `kernel`: always the kernel where it takes the shape, no check (tests and benchmarks);
   an error where this build has none.

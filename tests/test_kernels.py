@@ -177,13 +177,23 @@ def test_attention_reference_matches_float_sdpa_and_the_quantized_composite(bits
     assert composite is None or rel_err(got, composite) < 1e-4
 
 
-def test_the_attention_kernel_leaves_values_narrower_than_keys_to_the_reference():
-    """The kernels read K and V with one head size; DeepSeek V2's values (128 of the keys'
-    192) go to the reference, which sizes them apart."""
+def test_the_gpu_attention_kernel_leaves_what_it_cannot_take_to_the_reference():
+    """The GPU kernels' limits, which decide on every build what reaches them: one head size
+    for K and V (DeepSeek V2's values, 128 of the keys' 192, go to the reference, which
+    sizes them apart), whole groups per head, at most 1024 query values per KV head (the
+    threadgroup's merge memory), widths and groups it was written for."""
     keys, values = quantized_kv(1, 2, 40, 192, 64, 4), quantized_kv(1, 2, 40, 128, 64, 4)
     q = mx.random.normal((1, 4, 1, 192))
-    assert not attention_module._fits(q, keys, values, 64, 4)
     assert attention_module._fits(q, keys, keys, 64, 4)
+    assert not attention_module._fits(q, keys, values, 64, 4)
+    odd = quantized_kv(1, 2, 40, 96, 32, 4)
+    assert attention_module._fits(mx.random.normal((1, 4, 1, 96)), odd, odd, 32, 4)
+    assert not attention_module._fits(mx.random.normal((1, 4, 1, 96)), odd, odd, 64, 4)  # 96 is not whole groups of 64
+    wide = quantized_kv(1, 1, 40, 128, 64, 4)
+    assert attention_module._fits(mx.random.normal((1, 8, 1, 128)), wide, wide, 64, 4)
+    assert not attention_module._fits(mx.random.normal((1, 16, 1, 128)), wide, wide, 64, 4)  # 2048 values
+    two = quantized_kv(1, 2, 40, 64, 32, 2)
+    assert not attention_module._fits(mx.random.normal((1, 4, 1, 64)), two, two, 32, 2)  # KV_BITS: 4 and 8
 
 
 needs_cpu_kernel = pytest.mark.skipif(not cpu_kernel.available(),
