@@ -68,11 +68,9 @@ static inline float row_dot(const uint32_t *w, const float *scales, const float 
 }
 
 #if defined(__x86_64__)
-/* The AVX2 path (2, 4 and 8 bits, what quantized models use): a chunk's bytes widen to 8
- * codes at a time and meet x in the order the unpack leaves them in, so x is kept per
- * chunk in that order (to_chunk_order in simd.h, once per token) and no shuffle runs per
- * row. */
-/* row_dot for bits 2, 4 or 8 against x in chunk order (simd.h). */
+/* row_dot for 2, 4 and 8 bits, what quantized models use: a chunk's bytes widen to 8 codes
+ * at a time and meet x in the order the unpack leaves them in, so x is kept per chunk in
+ * that order (to_chunk_order in simd.h, once per token) and no shuffle runs per row. */
 __attribute__((target("avx2,fma"))) static float row_dot_avx2(const uint32_t *w, const float *scales,
                                                               const float *biases, const float *xp,
                                                               const float *xsum, int64_t n, int bits, int group) {
