@@ -215,19 +215,26 @@ def portable_decode_build(tmp_path_factory):
     return cpu_blas.declare_decode(ctypes.CDLL(str(out)))
 
 
-@needs_cpu_kernel
-@pytest.mark.parametrize("build", ["installed", "portable"])
-@pytest.mark.parametrize("bits", [2, 3, 4, 8])
-@pytest.mark.parametrize("group_size", [32, 64])
-@pytest.mark.parametrize("tokens, k", [(1, 8), (3, 2)])
-def test_the_cpu_expert_kernel_matches_the_reference(bits, group_size, tokens, k, build, request, monkeypatch):
-    """Both builds: the installed one (AVX2 for 2, 4 and 8 bits where the CPU has it) and the
-    portable one."""
+def use_cpu_build(build: str, threads: str, request, monkeypatch) -> None:
+    """The installed build (AVX2 for 2, 4 and 8 bits where the CPU has it) or the portable
+    one; every call across the cores or every call on one thread (kernels/cpu.py decides by
+    size otherwise)."""
+    monkeypatch.setattr(cpu_kernel, "PARALLEL_WORK", 0 if threads == "all" else 1 << 62)
     if build == "portable":
         from lmsp_mlx import cpu_blas
 
         lib = request.getfixturevalue("portable_decode_build")
         monkeypatch.setattr(cpu_blas, "decode_kernel", lambda: lib)
+
+
+@needs_cpu_kernel
+@pytest.mark.parametrize("build, threads", [("installed", "all"), ("installed", "one"), ("portable", "all")])
+@pytest.mark.parametrize("bits", [2, 3, 4, 8])
+@pytest.mark.parametrize("group_size", [32, 64])
+@pytest.mark.parametrize("tokens, k", [(1, 8), (3, 2)])
+def test_the_cpu_expert_kernel_matches_the_reference(bits, group_size, tokens, k, build, threads, request,
+                                                     monkeypatch):
+    use_cpu_build(build, threads, request, monkeypatch)
     d, h, experts = 256, 192, 10
     gate, up = (quantized_experts(experts, h, d, group_size, bits) for _ in range(2))
     down = quantized_experts(experts, d, h, group_size, bits)
@@ -240,22 +247,18 @@ def test_the_cpu_expert_kernel_matches_the_reference(bits, group_size, tokens, k
 
 
 @needs_cpu_kernel
-@pytest.mark.parametrize("build", ["installed", "portable"])
+@pytest.mark.parametrize("build, threads", [("installed", "all"), ("installed", "one"), ("portable", "all")])
 @pytest.mark.parametrize("bits", [2, 3, 4, 8])
 @pytest.mark.parametrize("group_size", [32, 64])
 @pytest.mark.parametrize("batch, hq, hkv, n, d", ATTENTION_CASES + [(1, 32, 4, 1100, 128), (1, 4, 2, 37, 96)])
-def test_the_cpu_attention_kernel_matches_the_reference(bits, group_size, batch, hq, hkv, n, d, build, request,
-                                                        monkeypatch):
+def test_the_cpu_attention_kernel_matches_the_reference(bits, group_size, batch, hq, hkv, n, d, build, threads,
+                                                        request, monkeypatch):
     """attention.c against the reference on cache views of a longer buffer (the strides a
     QuantizedKVCache hands over): several splits of 512 positions with a partial one, blocks
-    of 32 cut short, grouped heads, batches; both builds, as for the experts."""
+    of 32 cut short, grouped heads, batches; the builds and thread counts as for the experts."""
     if d % group_size:
         pytest.skip("a head size the group does not divide")
-    if build == "portable":
-        from lmsp_mlx import cpu_blas
-
-        lib = request.getfixturevalue("portable_decode_build")
-        monkeypatch.setattr(cpu_blas, "decode_kernel", lambda: lib)
+    use_cpu_build(build, threads, request, monkeypatch)
     keys = quantized_kv(batch, hkv, n, d, group_size, bits, spare=100)
     values = quantized_kv(batch, hkv, n, d, group_size, bits, spare=100)
     q, scale = mx.random.normal((batch, hq, 1, d)), d**-0.5

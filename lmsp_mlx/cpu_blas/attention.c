@@ -167,10 +167,12 @@ static void attend(int fast, const float *q, const Rows *keys, const Rows *value
 
 /* out (batch, heads, rows, d) = softmax(q k^T * scale) v for each KV head's `rows` query
  * rows q (batch, heads, rows, d), contiguous. `strides` holds 18 element strides: (batch,
- * head, row) for kw, ks, kb, vw, vs, vb. Returns 0, or -1 for a shape it does not take. */
+ * head, row) for kw, ks, kb, vw, vs, vb. `parallel`: across the cores (OpenMP), else on the
+ * calling thread (kernels/cpu.py decides). Returns 0, or -1 for a shape it does not take. */
 int lmsp_decode_attention(const float *q, int64_t batch, int64_t heads, int64_t rows, int64_t d, int64_t n,
                           const uint32_t *kw, const float *ks, const float *kb, const uint32_t *vw, const float *vs,
-                          const float *vb, const int64_t *strides, int bits, int group, float scale, float *out) {
+                          const float *vb, const int64_t *strides, int bits, int group, float scale, int parallel,
+                          float *out) {
     if (d % 32 || group % 32 || d % group || bits < 1 || bits > 8 || n < 1 || rows < 1) return -1;
     Rows keys = {kw, ks, kb, {0}, {0}, {0}}, values = {vw, vs, vb, {0}, {0}, {0}};
     for (int i = 0; i < 3; i++) {
@@ -196,7 +198,7 @@ int lmsp_decode_attention(const float *q, int64_t batch, int64_t heads, int64_t 
                 memcpy(row, q + i * d, sizeof(float) * d);
             for (int64_t e = 0; e < d; e++) row[e] *= scale;
         }
-#pragma omp parallel reduction(| : failed)
+#pragma omp parallel reduction(| : failed) if (parallel)
         {
             float *scratch = malloc(sizeof(float) * (BLOCK * d + d + rows * BLOCK));
             if (scratch == NULL) failed = 1;

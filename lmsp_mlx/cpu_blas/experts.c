@@ -126,11 +126,12 @@ static inline float row(int fast, const uint32_t *w, const float *scales, const 
 
 /* For each of the tokens * k (token, expert) pairs: y[pair] = down(silu(gate x) * up x).
  * x (tokens, d); idx (tokens * k) expert ids; hidden (pairs, h) and sums (tokens * d / 32 +
- * pairs * h / 32 floats) are scratch. Returns 0, or -1 for a shape it does not take. */
+ * pairs * h / 32 floats) are scratch. `parallel`: across the cores (OpenMP), else on the
+ * calling thread (kernels/cpu.py decides). Returns 0, or -1 for a shape it does not take. */
 LMSP_CLONES int lmsp_expert_swiglu(const float *x, const uint32_t *idx, int64_t tokens, int64_t k, int64_t experts,
                        const uint32_t *gw, const float *gs, const float *gb, const uint32_t *uw, const float *us,
                        const float *ub, const uint32_t *dw, const float *ds, const float *db, int64_t d, int64_t h,
-                       int bits, int group, float *hidden, float *sums, float *y) {
+                       int bits, int group, int parallel, float *hidden, float *sums, float *y) {
     if (d % 32 || h % 32 || group % 32 || d % group || h % group || bits < 1 || bits > 8) return -1;
     const int64_t pairs = tokens * k;
     for (int64_t p = 0; p < pairs; p++)
@@ -156,7 +157,7 @@ LMSP_CLONES int lmsp_expert_swiglu(const float *x, const uint32_t *idx, int64_t 
     const int fast = xp != NULL;
     const float *xin = fast ? xp : x, *hin = fast ? hp : hidden;
 
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (parallel)
     for (int64_t r = 0; r < pairs * h; r++) {
         const int64_t p = r / h, row_ = (int64_t)idx[p] * h + r % h, t = p / k;
         const float *xt = xin + t * d, *st = xsums + t * (d / 32);
@@ -170,7 +171,7 @@ LMSP_CLONES int lmsp_expert_swiglu(const float *x, const uint32_t *idx, int64_t 
         for (int64_t p = 0; p < pairs; p++) to_chunk_order(hidden + p * h, hp + p * h, h, bits);
 #endif
 
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (parallel)
     for (int64_t r = 0; r < pairs * d; r++) {
         const int64_t p = r / d, row_ = (int64_t)idx[p] * d + r % d;
         y[r] = row(fast, dw + row_ * h_words, ds + row_ * h_groups, db + row_ * h_groups, hin + p * h,

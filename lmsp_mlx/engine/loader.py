@@ -181,7 +181,8 @@ def load_model(path: Path, *, model_id: str | None = None, ctx: int | None = Non
         raise ModelLoadError(str(exc)) from None
     if swapped:
         log.info("kernels for %s (LMSP_KERNELS=%s, backend %s): %s", path.name, kernels.mode(),
-                 kernels.backend() or "none, references", ", ".join(swapped))
+                 kernels.backend() or "cpu: compiled CPU kernels where they take the call, else references",
+                 ", ".join(swapped))
     trained = int(config.get("max_position_embeddings") or config.get("max_seq_len") or 4096)
     context_length = ctx or trained
     if context_length > trained:
