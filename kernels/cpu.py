@@ -116,3 +116,15 @@ def decode_attention(queries: mx.array, keys, values, scale: float, group_size: 
         raise ValueError(f"attention.c did not take this call (status {done}): queries {queries.shape}, "
                          f"bits {bits}, group {group_size}")
     return mx.array(out).reshape(b, hq, length, d)
+
+
+def prefill_attention(queries: mx.array, keys, values, scale: float, mask, group_size: int, bits: int,
+                      sinks: mx.array | None = None) -> mx.array:
+    """A prompt chunk's attention over a quantized cache on the CPU build: the cache
+    dequantized and MLX's scaled_dot_product_attention with the chunk's mask. mlx-lm's
+    quantized attention runs MLX's CPU quantized_matmul, which made a 4-bit cache's prefill
+    10-18x slower than a plain cache's (SmolLM2-135M: 26 against 467 tok/s at 2,048
+    tokens). The dequantized K and V live for one layer's call."""
+    k = mx.dequantize(*keys, group_size, bits).astype(queries.dtype)
+    v = mx.dequantize(*values, group_size, bits).astype(queries.dtype)
+    return mx.fast.scaled_dot_product_attention(queries, k, v, scale=scale, mask=mask, sinks=sinks)

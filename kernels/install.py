@@ -7,8 +7,9 @@
   what it is built for, and so does any call the dispatch gives no kernel (its `builtin`).
 - Attention: the model module's `scaled_dot_product_attention` is wrapped so that a
   one-position query against a QuantizedKVCache (`--kv-bits`) goes through
-  decode_attention (the reference where its kernel does not run); everything else is
-  passed on unchanged.
+  decode_attention (the reference where its kernel does not run). On the CPU build a
+  prompt chunk against such a cache runs on the cache dequantized (cpu.prefill_attention)
+  rather than MLX's slow CPU quantized_matmul. Everything else is passed on unchanged.
 """
 
 from __future__ import annotations
@@ -19,8 +20,9 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwiGLU, SwitchGLU
 
+from . import cpu
 from .attention import decode_attention
-from .dispatch import mode
+from .dispatch import backend, mode
 from .experts import expert_swiglu
 from .quantized import QuantizedExperts
 
@@ -63,12 +65,15 @@ def _wrap_attention(module) -> bool:
         return current is not None
 
     def scaled_dot_product_attention(queries, keys, values, cache, scale, mask, sinks=None):
-        # No `builtin` fallback here: where the kernel does not run, the reference does, which
+        # No `builtin` fallback for decode: where no kernel runs, the reference does, which
         # on the CPU build beat mlx-lm's two-quantized_matmul attention (1.1-1.9x at 8K-32K
         # positions in float32, 16x with float16 caches) and never holds an N-long score row.
-        if (hasattr(cache, "bits") and sinks is None and queries.shape[2] == 1
-                and (mask is None or isinstance(mask, str)) and mode() != "off"):
-            return decode_attention(queries, keys, values, scale, cache.group_size, cache.bits)
+        if hasattr(cache, "bits") and mode() != "off":
+            if sinks is None and queries.shape[2] == 1 and (mask is None or isinstance(mask, str)):
+                return decode_attention(queries, keys, values, scale, cache.group_size, cache.bits)
+            if backend() is None and keys[0].shape[-1] == values[0].shape[-1]:  # a prompt chunk, CPU build
+                return cpu.prefill_attention(queries, keys, values, scale, mask, cache.group_size, cache.bits,
+                                             sinks)
         return current(queries, keys, values, cache, scale=scale, mask=mask, sinks=sinks)
 
     scaled_dot_product_attention.lmsp_decode_attention = True

@@ -268,6 +268,24 @@ def test_the_cpu_attention_kernel_matches_the_reference(bits, group_size, batch,
     assert rel_err(got, reference.decode_attention(q, keys, values, scale, group_size, bits)) < 1e-5
 
 
+@pytest.mark.parametrize("bits", [4, 8])
+def test_a_prompt_chunk_against_a_quantized_cache_is_causal_attention_over_it(bits):
+    """A prompt chunk's attention on the CPU build (the cache dequantized, then MLX's fused
+    attention): the chunk's last 44 of 300 positions, each seeing the cache up to itself,
+    as mlx-lm's quantized attention computes it and as a float64 computation does."""
+    keys, values = quantized_kv(1, 2, 300, 64, 32, bits, spare=50), quantized_kv(1, 2, 300, 64, 32, bits, spare=50)
+    q, length = mx.random.normal((1, 4, 44, 64)), 44
+    got = cpu_kernel.prefill_attention(q, keys, values, 0.125, "causal", 32, bits)
+    k = np.repeat(unpack(*keys, 32, bits), 2, axis=1)
+    v = np.repeat(unpack(*values, 32, bits), 2, axis=1)
+    s = f64(q) @ k.swapaxes(-1, -2) * 0.125
+    s[..., np.arange(length)[:, None] + 300 - length < np.arange(300)[None, :]] = -np.inf  # no key after the query
+    p = np.exp(s - s.max(-1, keepdims=True))
+    assert rel_err(got, (p / p.sum(-1, keepdims=True)) @ v) < 1e-5
+    composite = base.quantized_scaled_dot_product_attention(q, keys, values, 0.125, "causal", 32, bits)
+    assert rel_err(got, composite) < 1e-4
+
+
 @needs_cpu_kernel
 def test_the_cpu_attention_kernel_leaves_what_it_cannot_read_to_the_fallback():
     keys, q = quantized_kv(1, 2, 40, 64, 32, 4), mx.random.normal((1, 4, 1, 64))
