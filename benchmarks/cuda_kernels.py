@@ -34,6 +34,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from lmsp_mlx.kernels.attention import float_bits  # noqa: E402
 from lmsp_mlx.kernels.cuda_source import STAND_IN, extras, kernel  # noqa: E402
 from lmsp_mlx.kernels.sources import sections  # noqa: E402
 
@@ -162,14 +163,11 @@ def call(name: str, grid: str, block: str, inputs: list[str], outputs: list[str]
 def attention_program(bits: int, warps: int, batch: int, chunk: int) -> str:
     tag = f"b{bits}_w{warps}_t{batch}_c{chunk}"
     scale = HEAD_DIM**-0.5
-    import struct
-
-    scale_bits = struct.unpack("<i", struct.pack("<f", scale))[0]
     body = kernel("decode_attention", "body",
                   [("q", HALF), ("kw", U32), ("ks", HALF), ("kb", HALF), ("vw", U32), ("vs", HALF), ("vb", HALF)],
                   [("o_acc", "float"), ("o_max", "float"), ("o_sum", "float")],
                   [("T", HALF), ("S", HALF), ("D", HEAD_DIM), ("G", ROWS_PER_KV), ("BITS", bits), ("GS", GROUP),
-                   ("WARPS", warps), ("BATCH", batch), ("CHUNK", chunk), ("SCALE", scale_bits)], name=f"body_{tag}")
+                   ("WARPS", warps), ("BATCH", batch), ("CHUNK", chunk), ("SCALE", float_bits(scale))], name=f"body_{tag}")
     merge = kernel("decode_attention", "merge", [("acc", "float"), ("tops", "float"), ("totals", "float")],
                    [("out", HALF)], [("T", HALF), ("D", HEAD_DIM), ("G", ROWS_PER_KV)], name="merge_kernel")
     launch_body = call(f"mlx::core::cu::body_{tag}", "dim3(1, H, splits)", f"dim3({32 * warps})",
