@@ -250,12 +250,18 @@ def test_the_cpu_expert_kernel_matches_the_reference(bits, group_size, tokens, k
 @pytest.mark.parametrize("build, threads", [("installed", "all"), ("installed", "one"), ("portable", "all")])
 @pytest.mark.parametrize("bits", [2, 3, 4, 8])
 @pytest.mark.parametrize("group_size", [32, 64])
-@pytest.mark.parametrize("batch, hq, hkv, n, d", ATTENTION_CASES + [(1, 32, 4, 1100, 128), (1, 4, 2, 37, 96)])
+@pytest.mark.parametrize("batch, hq, hkv, n, d", ATTENTION_CASES + [
+    (1, 32, 4, 1100, 128), (1, 4, 2, 37, 96),
+    (1, 9, 3, 515, 64),  # SmolLM2's 3 rows a KV head; a last split of 3 positions
+    (1, 7, 1, 70, 64),  # 7 rows: pairs and a single row scored, 4 and 3 weighed
+])
 def test_the_cpu_attention_kernel_matches_the_reference(bits, group_size, batch, hq, hkv, n, d, build, threads,
                                                         request, monkeypatch):
     """attention.c against the reference on cache views of a longer buffer (the strides a
     QuantizedKVCache hands over): several splits of 512 positions with a partial one, blocks
-    of 32 cut short, grouped heads, batches; the builds and thread counts as for the experts."""
+    of 32 cut short (also short of the AVX2 path's four positions), grouped heads of 1-8
+    query rows (its blocking takes them 2 and 4 at a time), batches; the builds and thread
+    counts as for the experts."""
     if d % group_size:
         pytest.skip("a head size the group does not divide")
     use_cpu_build(build, threads, request, monkeypatch)

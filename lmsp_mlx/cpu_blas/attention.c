@@ -83,19 +83,67 @@ __attribute__((target("avx2,fma"))) static void decode_row_avx2(const Rows *r, i
     }
 }
 
-__attribute__((target("avx2,fma"))) static float dot_avx2(const float *a, const float *b, int64_t n) {
-    __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps();
-    for (int64_t i = 0; i < n; i += 16) {
-        s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), s0);
-        s1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), s1);
-    }
-    return hsum8(_mm256_add_ps(s0, s1));
+/* The four sums of a, b, c, d's lanes, in that order. */
+__attribute__((target("avx2,fma"))) static inline __m128 hsum4(__m256 a, __m256 b, __m256 c, __m256 d) {
+    const __m256 all = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));
+    return _mm_add_ps(_mm256_castps256_ps128(all), _mm256_extractf128_ps(all, 1));
 }
 
-__attribute__((target("avx2,fma"))) static void axpy_avx2(float *y, float a, const float *x, int64_t n) {
-    const __m256 av = _mm256_set1_ps(a);
-    for (int64_t i = 0; i < n; i += 8)
-        _mm256_storeu_ps(y + i, _mm256_fmadd_ps(av, _mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i)));
+/* Scores of query rows q (R of them, 1 or 2) against the block's decoded keys k, four
+ * positions at a time: 4R independent sums, so each load serves several multiply-adds and
+ * the FMA latency is hidden (one dot product at a time was latency-bound, about half the
+ * FMA rate, plus a horizontal sum per score). w gets the scores at w[r * BLOCK + j]; k
+ * holds n4 rows (a multiple of 4, zero past the block's end). */
+__attribute__((target("avx2,fma"), always_inline)) static inline void scores_avx2(const float *q, const float *k,
+                                                                                 float *w, int R, int n4,
+                                                                                 int64_t d) {
+    for (int j = 0; j < n4; j += 4) {
+        const float *k0 = k + j * d, *k1 = k0 + d, *k2 = k1 + d, *k3 = k2 + d;
+        __m256 s[2][4];
+        for (int r = 0; r < R; r++)
+            for (int c = 0; c < 4; c++) s[r][c] = _mm256_setzero_ps();
+        for (int64_t i = 0; i < d; i += 8) {
+            const __m256 a = _mm256_loadu_ps(k0 + i), b = _mm256_loadu_ps(k1 + i), c = _mm256_loadu_ps(k2 + i),
+                         e = _mm256_loadu_ps(k3 + i);
+            for (int r = 0; r < R; r++) {
+                const __m256 x = _mm256_loadu_ps(q + r * d + i);
+                s[r][0] = _mm256_fmadd_ps(x, a, s[r][0]);
+                s[r][1] = _mm256_fmadd_ps(x, b, s[r][1]);
+                s[r][2] = _mm256_fmadd_ps(x, c, s[r][2]);
+                s[r][3] = _mm256_fmadd_ps(x, e, s[r][3]);
+            }
+        }
+        for (int r = 0; r < R; r++) _mm_storeu_ps(w + r * BLOCK + j, hsum4(s[r][0], s[r][1], s[r][2], s[r][3]));
+    }
+}
+
+/* acc[r] = acc[r] * fade[r] + sum_j w[r * BLOCK + j] v[j] for R (1-4) query rows, 16
+ * columns at a time held in registers across the block's n positions: acc is read and
+ * written once a block, not once a position (one axpy per position and row was bound by
+ * its stores), and the rescale rides along. */
+__attribute__((target("avx2,fma"), always_inline)) static inline void weigh_avx2(const float *w, const float *v,
+                                                                                const float *fade, float *acc,
+                                                                                int R, int n, int64_t d) {
+    for (int64_t i = 0; i < d; i += 16) {
+        __m256 s[4][2];
+        for (int r = 0; r < R; r++) {
+            const __m256 f = _mm256_set1_ps(fade[r]);
+            s[r][0] = _mm256_mul_ps(f, _mm256_loadu_ps(acc + r * d + i));
+            s[r][1] = _mm256_mul_ps(f, _mm256_loadu_ps(acc + r * d + i + 8));
+        }
+        for (int j = 0; j < n; j++) {
+            const __m256 a = _mm256_loadu_ps(v + j * d + i), b = _mm256_loadu_ps(v + j * d + i + 8);
+            for (int r = 0; r < R; r++) {
+                const __m256 x = _mm256_broadcast_ss(w + r * BLOCK + j);
+                s[r][0] = _mm256_fmadd_ps(x, a, s[r][0]);
+                s[r][1] = _mm256_fmadd_ps(x, b, s[r][1]);
+            }
+        }
+        for (int r = 0; r < R; r++) {
+            _mm256_storeu_ps(acc + r * d + i, s[r][0]);
+            _mm256_storeu_ps(acc + r * d + i + 8, s[r][1]);
+        }
+    }
 }
 
 /* e^x over a block's weights (x <= 0 here). */
@@ -106,64 +154,83 @@ __attribute__((target("avx2,fma"))) static void exp_block_avx2(float *x, int n) 
 }
 #endif
 
+/* Folds a block's scores wr[0..n) of one query row into its running maximum and total:
+ * wr becomes the block's weights e^(score - max), and the factor the row's earlier sums
+ * must be rescaled by is returned (0 on the first block, where top = -inf). */
+static float fold(float *wr, int n, int fast, float *top, float *total) {
+    float best = *top;
+    for (int j = 0; j < n; j++) best = wr[j] > best ? wr[j] : best;
+    for (int j = 0; j < n; j++) wr[j] -= best;
+#if defined(__x86_64__)
+    if (fast)
+        exp_block_avx2(wr, n);
+    else
+#endif
+        for (int j = 0; j < n; j++) wr[j] = expf(wr[j]);
+    float sum = 0.0f;
+    for (int j = 0; j < n; j++) sum += wr[j];
+    const float fade = expf(*top - best);
+    *total = *total * fade + sum, *top = best;
+    return fade;
+}
+
 /* One task: positions [p0, p1) of KV head (batch, head) against its `rows` query rows
  * (scaled, in the vectors' order), leaving the running maxima, sums and weighted value
- * sums in top, total and acc. */
-static void attend(int fast, const float *q, const Rows *keys, const Rows *values, int64_t batch, int64_t head,
-                   int64_t p0, int64_t p1, int64_t rows, int64_t d, int bits, int group, float *top, float *total,
-                   float *acc, float *scratch) {
+ * sums in top, total and acc. Portable C: what CPUs without AVX2 (and the tests'
+ * LMSP_PORTABLE build) run. */
+static void attend(const float *q, const Rows *keys, const Rows *values, int64_t batch, int64_t head, int64_t p0,
+                   int64_t p1, int64_t rows, int64_t d, int bits, int group, float *top, float *total, float *acc,
+                   float *scratch) {
     float *k = scratch, *v = scratch + BLOCK * d, *w = v + d; /* w: rows x BLOCK weights */
     for (int64_t r = 0; r < rows; r++) top[r] = -INFINITY, total[r] = 0.0f;
     memset(acc, 0, sizeof(float) * rows * d);
     for (int64_t start = p0; start < p1; start += BLOCK) {
         const int n = (int)(p1 - start < BLOCK ? p1 - start : BLOCK);
-        for (int j = 0; j < n; j++) {
-#if defined(__x86_64__)
-            if (fast) {
-                decode_row_avx2(keys, batch, head, start + j, d, bits, group, k + j * d);
-                continue;
-            }
-#endif
-            decode_row(keys, batch, head, start + j, d, bits, group, k + j * d);
-        }
+        for (int j = 0; j < n; j++) decode_row(keys, batch, head, start + j, d, bits, group, k + j * d);
         for (int64_t r = 0; r < rows; r++) {
-            float *wr = w + r * BLOCK, best = top[r];
-            for (int j = 0; j < n; j++) {
-#if defined(__x86_64__)
-                wr[j] = fast ? dot_avx2(q + r * d, k + j * d, d) : dot(q + r * d, k + j * d, d);
-#else
-                wr[j] = dot(q + r * d, k + j * d, d);
-#endif
-                best = wr[j] > best ? wr[j] : best;
-            }
-            const float fade = expf(top[r] - best); /* 0 on the first block (top = -inf) */
-            for (int j = 0; j < n; j++) wr[j] -= best;
-#if defined(__x86_64__)
-            if (fast)
-                exp_block_avx2(wr, n);
-            else
-#endif
-                for (int j = 0; j < n; j++) wr[j] = expf(wr[j]);
-            float sum = 0.0f;
-            for (int j = 0; j < n; j++) sum += wr[j];
-            total[r] = total[r] * fade + sum;
+            float *wr = w + r * BLOCK;
+            for (int j = 0; j < n; j++) wr[j] = dot(q + r * d, k + j * d, d);
+            const float fade = fold(wr, n, 0, top + r, total + r);
             if (fade != 1.0f)
                 for (int64_t i = 0; i < d; i++) acc[r * d + i] *= fade;
-            top[r] = best;
         }
         for (int j = 0; j < n; j++) {
-#if defined(__x86_64__)
-            if (fast) {
-                decode_row_avx2(values, batch, head, start + j, d, bits, group, v);
-                for (int64_t r = 0; r < rows; r++) axpy_avx2(acc + r * d, w[r * BLOCK + j], v, d);
-                continue;
-            }
-#endif
             decode_row(values, batch, head, start + j, d, bits, group, v);
             for (int64_t r = 0; r < rows; r++) axpy(acc + r * d, w[r * BLOCK + j], v, d);
         }
     }
 }
+
+#if defined(__x86_64__)
+/* attend() with AVX2 (2, 4 and 8 bits, rows in chunk order): a block's keys are decoded
+ * into the scratch, scored against the query rows two at a time, then its values decoded
+ * into the same space and weighed into the sums four rows at a time. The scratch (BLOCK
+ * rows of d floats, 16 KB at d = 128) stays in L1. */
+__attribute__((target("avx2,fma"))) static void attend_avx2(const float *q, const Rows *keys, const Rows *values,
+                                                            int64_t batch, int64_t head, int64_t p0, int64_t p1,
+                                                            int64_t rows, int64_t d, int bits, int group,
+                                                            float *top, float *total, float *acc, float *scratch) {
+    float *kv = scratch, *w = scratch + BLOCK * d, *fade = w + rows * BLOCK;
+    for (int64_t r = 0; r < rows; r++) top[r] = -INFINITY, total[r] = 0.0f;
+    memset(acc, 0, sizeof(float) * rows * d);
+    for (int64_t start = p0; start < p1; start += BLOCK) {
+        const int n = (int)(p1 - start < BLOCK ? p1 - start : BLOCK), n4 = (n + 3) & ~3;
+        for (int j = 0; j < n; j++) decode_row_avx2(keys, batch, head, start + j, d, bits, group, kv + j * d);
+        memset(kv + n * d, 0, sizeof(float) * (n4 - n) * d);
+        int64_t r = 0;
+        for (; r + 2 <= rows; r += 2) scores_avx2(q + r * d, kv, w + r * BLOCK, 2, n4, d);
+        if (r < rows) scores_avx2(q + r * d, kv, w + r * BLOCK, 1, n4, d);
+        for (r = 0; r < rows; r++) fade[r] = fold(w + r * BLOCK, n, 1, top + r, total + r);
+        for (int j = 0; j < n; j++) decode_row_avx2(values, batch, head, start + j, d, bits, group, kv + j * d);
+        for (r = 0; r + 4 <= rows; r += 4) weigh_avx2(w + r * BLOCK, kv, fade + r, acc + r * d, 4, n, d);
+        switch (rows - r) { /* constant R, so each case compiles to its own unrolled loop */
+        case 3: weigh_avx2(w + r * BLOCK, kv, fade + r, acc + r * d, 3, n, d); break;
+        case 2: weigh_avx2(w + r * BLOCK, kv, fade + r, acc + r * d, 2, n, d); break;
+        case 1: weigh_avx2(w + r * BLOCK, kv, fade + r, acc + r * d, 1, n, d); break;
+        }
+    }
+}
+#endif
 
 /* out (batch, heads, rows, d) = softmax(q k^T * scale) v for each KV head's `rows` query
  * rows q (batch, heads, rows, d), contiguous. `strides` holds 18 element strides: (batch,
@@ -200,15 +267,24 @@ int lmsp_decode_attention(const float *q, int64_t batch, int64_t heads, int64_t 
         }
 #pragma omp parallel reduction(| : failed) if (parallel)
         {
-            float *scratch = malloc(sizeof(float) * (BLOCK * d + d + rows * BLOCK));
+            /* the decoded rows (BLOCK of them, or BLOCK keys and one value row), the
+             * weights (rows x BLOCK) and, for attend_avx2, the rows' fades */
+            float *scratch = malloc(sizeof(float) * (BLOCK * d + d + rows * BLOCK + rows));
             if (scratch == NULL) failed = 1;
 #pragma omp for schedule(dynamic)
             for (int64_t t = 0; t < tasks; t++) {
                 if (scratch == NULL) continue;
                 const int64_t bh = t / splits, split = t % splits, p0 = split * SPLIT;
-                attend(fast, qs + bh * rows * d, &keys, &values, bh / heads, bh % heads, p0,
-                       p0 + SPLIT < n ? p0 + SPLIT : n, rows, d, bits, group, tops + t * rows, totals + t * rows,
-                       accs + t * rows * d, scratch);
+                const int64_t p1 = p0 + SPLIT < n ? p0 + SPLIT : n;
+#if defined(__x86_64__)
+                if (fast) {
+                    attend_avx2(qs + bh * rows * d, &keys, &values, bh / heads, bh % heads, p0, p1, rows, d, bits,
+                                group, tops + t * rows, totals + t * rows, accs + t * rows * d, scratch);
+                    continue;
+                }
+#endif
+                attend(qs + bh * rows * d, &keys, &values, bh / heads, bh % heads, p0, p1, rows, d, bits, group,
+                       tops + t * rows, totals + t * rows, accs + t * rows * d, scratch);
             }
             free(scratch);
         }
