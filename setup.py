@@ -27,7 +27,7 @@ if sys.platform.startswith("linux"):
         Extension(
             "lmsp_mlx.cpu_blas._decode",
             sources=["lmsp_mlx/cpu_blas/decode.c", "lmsp_mlx/cpu_blas/experts.c", "lmsp_mlx/cpu_blas/attention.c"],
-            depends=["lmsp_mlx/cpu_blas/simd.h", "lmsp_mlx/cpu_blas/model.h"],
+            depends=["lmsp_mlx/cpu_blas/simd.h", "lmsp_mlx/cpu_blas/model.h", "lmsp_mlx/cpu_blas/attention.h"],
             extra_compile_args=["-O3", "-fopenmp"],
             extra_link_args=["-fopenmp"],
             libraries=["m"],

@@ -1,4 +1,5 @@
-"""The compiled decode step (cpu_blas/decode.c) gives MLX's logits and KV, step by step."""
+"""The compiled decode step (cpu_blas/decode.c) gives MLX's logits and KV, step by step,
+over a plain cache and over a --kv-bits one (QuantizedKVCache)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from mlx_lm.models import llama, qwen2
-from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
+from mlx_lm.models.cache import KVCache, QuantizedKVCache, RotatingKVCache, make_prompt_cache
 
 from lmsp_mlx import cpu_blas
 from lmsp_mlx.engine import cpu_decode, cpu_math
@@ -66,7 +67,58 @@ def test_decode_steps_match_mlx_across_a_cache_growth(kind, overrides):
             assert np.allclose(np.array(a[..., :n, :]), np.array(b[..., :n, :]), atol=1e-5, rtol=1e-5)
 
 
-def test_other_caches_and_multi_token_inputs_go_through_mlx():
+def compiled_steps(model, monkeypatch) -> list[int]:
+    """Counts the compiled step's calls (so a test sees that it ran, not MLX in its place)."""
+    step, calls = model.decode_step, []
+    real = step.lib
+
+    class Counting:
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+        def lmsp_decode_step(self, *args):
+            calls.append(1)
+            return real.lmsp_decode_step(*args)
+
+    monkeypatch.setattr(step, "lib", Counting())
+    return calls
+
+
+@pytest.mark.parametrize("bits, group, heads, prompt, n", [
+    (4, 32, (4, 2), 20, 260),  # 280 positions: MLX grows the cache at 256, the step resumes
+    (8, 64, (6, 2), 20, 40),
+    (4, 64, (9, 3), 1000, 30),  # SmolLM2's 3 query rows a KV head; two splits of 512 positions
+    (2, 32, (4, 4), 20, 40),
+])
+def test_decode_steps_over_a_quantized_cache_match_mlx(bits, group, heads, prompt, n, monkeypatch):
+    """The step quantizes K/V as mx.quantize does and attends over the codes as attention.c
+    does: MLX's greedy tokens and logits (to 1e-4), and the cache it would have written."""
+    model = tiny("llama", head_dim=64, num_attention_heads=heads[0], num_key_value_heads=heads[1])
+    quantized = lambda: [QuantizedKVCache(group_size=group, bits=bits) for _ in model.layers]  # noqa: E731
+    tokens = [int(t) % 300 for t in range(7, 7 + 3 * prompt, 3)]
+    reference = steps(model, tokens, n, fast=False, cache=quantized())
+    assert cpu_decode.install(model)
+    calls = compiled_steps(model, monkeypatch)
+    got = steps(model, tokens, n, fast=True, cache=quantized())
+    assert len(calls) >= n - 1  # every step but a growth one
+    assert got[0] == reference[0]
+    worst = max(float(np.abs(a - b).max() / (np.abs(b).max() + 1e-6)) for a, b in zip(got[1], reference[1]))
+    assert worst < 1e-4
+    for mine, theirs in zip(got[2], reference[2]):
+        end = mine.offset
+        assert end == theirs.offset == prompt + n
+        for a, b in zip((mine.keys, mine.values), (theirs.keys, theirs.values)):
+            # The K/V rows themselves differ in the last float bits (another summation
+            # order), so a code on a rounding edge may differ by one: almost all are equal,
+            # and the dequantized rows agree to within one quantization step.
+            codes = np.array(a[0][..., :end, :]) == np.array(b[0][..., :end, :])
+            assert codes.mean() > 0.999
+            rows = [np.array(mx.dequantize(*(p[..., :end, :] for p in x), group_size=group, bits=bits)) for x in (a, b)]
+            step = float(np.abs(np.array(b[1][..., :end, :])).max())
+            assert np.abs(rows[0] - rows[1]).max() <= 1.01 * step + 1e-5
+
+
+def test_other_caches_and_multi_token_inputs_go_through_mlx(monkeypatch):
     model = tiny("llama")
     assert cpu_decode.install(model)
     # A sliding-window cache is not the step's layout: MLX runs it, with the same result.
@@ -74,6 +126,17 @@ def test_other_caches_and_multi_token_inputs_go_through_mlx():
     want = steps(model, [5, 6, 7], 40, fast=False, cache=[RotatingKVCache(max_size=32) for _ in model.layers])
     got = steps(model, [5, 6, 7], 40, fast=True, cache=rotating)
     assert got[0] == want[0]
+    # A quantized cache under LMSP_KERNELS=reference (attention.c kept out), or of a width
+    # the step does not read (3 bits): MLX's path, with MLX's tokens.
+    model64 = tiny("llama", head_dim=64)
+    assert cpu_decode.install(model64)
+    calls = compiled_steps(model64, monkeypatch)
+    for kernels, bits in (("reference", 4), ("auto", 3)):
+        monkeypatch.setenv("LMSP_KERNELS", kernels)
+        quantized = lambda: [QuantizedKVCache(group_size=32, bits=bits) for _ in model64.layers]  # noqa: E731
+        assert steps(model64, [5, 6, 7], 8, fast=True, cache=quantized())[0] == steps(
+            model64, [5, 6, 7], 8, fast=False, cache=quantized())[0]
+    assert calls == []
     # Several tokens at once (prefill, the first pass): MLX's path.
     cache = make_prompt_cache(model)
     out = model(mx.array([[1, 2, 3]]), cache=cache)
@@ -88,3 +151,24 @@ def test_models_it_does_not_know_are_left_alone(monkeypatch):
     assert not cpu_decode.install(quantized)
     monkeypatch.setenv("LMSP_CPU_DECODE", "0")
     assert not cpu_decode.install(tiny("llama"))
+
+
+@pytest.mark.parametrize("bits", [2, 4, 8])
+@pytest.mark.parametrize("group", [32, 64, 128])
+def test_a_row_quantized_by_the_step_is_the_row_mx_quantize_gives(bits, group):
+    """lmsp_quantize_row against mx.quantize, bit for bit, with the rows that test its
+    edges: constant, all zero, one sign only, a range below its epsilon, huge values, and
+    values on rounding edges (halves)."""
+    lib = cpu_blas.decode_kernel()
+    d = 256
+    rng = np.random.default_rng(bits * group)
+    rows = [rng.standard_normal(d), rng.standard_normal(d) * 1e4, np.full(d, 0.75), np.zeros(d),
+            np.abs(rng.standard_normal(d)) + 3, -np.abs(rng.standard_normal(d)) - 3, 1 + rng.standard_normal(d) * 1e-9,
+            np.round(rng.standard_normal(d) * 4) / 8, rng.integers(-2, 3, d) * 0.5]
+    x = np.ascontiguousarray(np.stack(rows).astype(np.float32))
+    want = [np.array(a) for a in mx.quantize(mx.array(x), group_size=group, bits=bits)]
+    got = [np.empty_like(a) for a in want]
+    for i, row in enumerate(x):
+        lib.lmsp_quantize_row(row.ctypes.data, d, bits, group, *(a[i].ctypes.data for a in got))
+    for mine, theirs in zip(got, want):
+        assert mine.tobytes() == theirs.tobytes()

@@ -460,6 +460,9 @@ def test_tiny_moe_model_gives_the_same_greedy_tokens_through_the_engine_with_the
 def test_kv_bits_decode_gives_the_same_greedy_tokens_with_the_attention_kernel_path(tmp_path, monkeypatch):
     """The same for a --kv-bits cache: the reference path, and `auto` (the kernel where this
     build has one: Metal, CUDA, or attention.c on the CPU build; the reference elsewhere)."""
+    # Decode steps op by op through MLX, where the dispatch runs (the compiled CPU step reads
+    # a quantized cache itself: tests/test_cpu_decode.py).
+    monkeypatch.setenv("LMSP_CPU_DECODE", "0")
     path = build_tiny_model(tmp_path / "m", head_dim=64)
     prompt = list(range(30, 130))
     caches = lambda lm: [QuantizedKVCache(group_size=32, bits=4) for _ in lm.model.layers]  # noqa: E731

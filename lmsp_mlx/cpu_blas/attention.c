@@ -19,16 +19,13 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "attention.h"
 #include "simd.h"
 
-#define SPLIT 512 /* positions a task takes: 32 tasks per KV head at 16K, plenty for the cores */
-#define BLOCK 32  /* positions scored together: the running state is rescaled once per block */
+#define SPLIT LMSP_SPLIT
+#define BLOCK 32 /* positions scored together: the running state is rescaled once per block */
 
-typedef struct {
-    const uint32_t *w;
-    const float *s, *b;
-    int64_t ws[3], ss[3], bs[3]; /* (batch, head, row) strides in elements */
-} Rows;
+typedef lmsp_rows Rows;
 
 /* Row p of head (batch, head) decoded to floats, in code order. */
 static void decode_row(const Rows *r, int64_t batch, int64_t head, int64_t p, int64_t d, int bits, int group,
@@ -232,10 +229,95 @@ __attribute__((target("avx2,fma"))) static void attend_avx2(const float *q, cons
 }
 #endif
 
+int lmsp_attention_fast(int bits) {
+#if defined(__x86_64__)
+    return has_avx2() && (bits == 2 || bits == 4 || bits == 8);
+#else
+    (void)bits;
+    return 0;
+#endif
+}
+
+void lmsp_attention_queries(int fast, const float *q, float *qs, int64_t count, int64_t d, int bits, float scale) {
+    for (int64_t i = 0; i < count; i++) {
+        float *row = qs + i * d;
+        if (fast)
+            to_chunk_order(q + i * d, row, d, bits);
+        else
+            memcpy(row, q + i * d, sizeof(float) * d);
+        for (int64_t e = 0; e < d; e++) row[e] *= scale;
+    }
+}
+
+/* the decoded rows (BLOCK of them, or BLOCK keys and one value row), the weights (rows x
+ * BLOCK) and, for attend_avx2, the rows' fades */
+int64_t lmsp_attention_scratch(int64_t rows, int64_t d) { return BLOCK * d + d + rows * BLOCK + rows; }
+
+void lmsp_attention_split(int fast, const float *qs, const lmsp_rows *keys, const lmsp_rows *values, int64_t batch,
+                          int64_t head, int64_t p0, int64_t p1, int64_t rows, int64_t d, int bits, int group,
+                          float *top, float *total, float *acc, float *scratch) {
+#if defined(__x86_64__)
+    if (fast) {
+        attend_avx2(qs, keys, values, batch, head, p0, p1, rows, d, bits, group, top, total, acc, scratch);
+        return;
+    }
+#endif
+    attend(qs, keys, values, batch, head, p0, p1, rows, d, bits, group, top, total, acc, scratch);
+}
+
+void lmsp_attention_merge(int fast, const float *tops, const float *totals, const float *accs, int64_t splits,
+                          int64_t rows, int64_t d, int bits, float *out, float *row) {
+    /* each row's splits rescaled to its overall maximum */
+    for (int64_t r = 0; r < rows; r++) {
+        float best = -INFINITY, total = 0.0f;
+        for (int64_t s = 0; s < splits; s++) best = fmaxf(best, tops[s * rows + r]);
+        memset(row, 0, sizeof(float) * d);
+        for (int64_t s = 0; s < splits; s++) {
+            const int64_t at = s * rows + r;
+            const float f = expf(tops[at] - best);
+            total += f * totals[at];
+            for (int64_t e = 0; e < d; e++) row[e] += f * accs[at * d + e];
+        }
+        for (int64_t e = 0; e < d; e++) row[e] /= total;
+        if (fast)
+            from_chunk_order(row, out + r * d, d, bits);
+        else
+            memcpy(out + r * d, row, sizeof(float) * d);
+    }
+}
+
+void lmsp_quantize_row(const float *x, int64_t d, int bits, int group, uint32_t *w, float *s, float *b) {
+    /* MLX's CPU quantize, step for step (divisions, not reciprocals; rintf under the default
+     * rounding mode), so a row written here reads back as the same bits a QuantizedKVCache
+     * update would have stored: checkpoints and greedy tokens do not depend on which path
+     * wrote the cache. */
+    const float bins = (float)((1 << bits) - 1);
+    uint64_t acc = 0;
+    int have = 0;
+    for (int64_t g = 0; g < d / group; g++) {
+        const float *xs = x + g * group;
+        float lo = INFINITY, hi = -INFINITY;
+        for (int j = 0; j < group; j++) hi = fmaxf(hi, xs[j]), lo = fminf(lo, xs[j]);
+        const int low_edge = fabsf(lo) > fabsf(hi);
+        float scale = fmaxf((hi - lo) / bins, 1e-7f);
+        scale = low_edge ? scale : -scale;
+        const float edge = low_edge ? lo : hi, q0 = rintf(edge / scale);
+        float bias = 0.0f;
+        if (q0 != 0.0f) scale = edge / q0, bias = edge;
+        s[g] = scale, b[g] = bias;
+        for (int j = 0; j < group; j++) {
+            const float v = fminf(fmaxf(rintf((xs[j] - bias) / scale), 0.0f), bins);
+            acc |= (uint64_t)v << have; /* one little-endian bit stream, as the kernels read it */
+            if ((have += bits) >= 32) *w++ = (uint32_t)acc, acc >>= 32, have -= 32;
+        }
+    }
+}
+
 /* out (batch, heads, rows, d) = softmax(q k^T * scale) v for each KV head's `rows` query
  * rows q (batch, heads, rows, d), contiguous. `strides` holds 18 element strides: (batch,
  * head, row) for kw, ks, kb, vw, vs, vb. `parallel`: across the cores (OpenMP), else on the
- * calling thread (kernels/cpu.py decides). Returns 0, or -1 for a shape it does not take. */
+ * calling thread (kernels/cpu.py decides). Returns 0, -1 for a shape it does not take, -2
+ * when out of memory. */
 int lmsp_decode_attention(const float *q, int64_t batch, int64_t heads, int64_t rows, int64_t d, int64_t n,
                           const uint32_t *kw, const float *ks, const float *kb, const uint32_t *vw, const float *vs,
                           const float *vb, const int64_t *strides, int bits, int group, float scale, int parallel,
@@ -246,73 +328,32 @@ int lmsp_decode_attention(const float *q, int64_t batch, int64_t heads, int64_t 
         keys.ws[i] = strides[i], keys.ss[i] = strides[3 + i], keys.bs[i] = strides[6 + i];
         values.ws[i] = strides[9 + i], values.ss[i] = strides[12 + i], values.bs[i] = strides[15 + i];
     }
-    int fast = 0;
-#if defined(__x86_64__)
-    fast = has_avx2() && (bits == 2 || bits == 4 || bits == 8);
-#endif
+    const int fast = lmsp_attention_fast(bits);
     const int64_t splits = (n + SPLIT - 1) / SPLIT, tasks = batch * heads * splits;
     float *qs = malloc(sizeof(float) * batch * heads * rows * d);
     float *tops = malloc(sizeof(float) * tasks * rows), *totals = malloc(sizeof(float) * tasks * rows);
-    float *accs = malloc(sizeof(float) * tasks * rows * d);
-    int failed = qs == NULL || tops == NULL || totals == NULL || accs == NULL;
+    float *accs = malloc(sizeof(float) * tasks * rows * d), *row = malloc(sizeof(float) * d);
+    int failed = qs == NULL || tops == NULL || totals == NULL || accs == NULL || row == NULL;
     if (!failed) {
-        /* The query rows, scaled, in the order the decoded rows come in. */
-        for (int64_t i = 0; i < batch * heads * rows; i++) {
-            float *row = qs + i * d;
-            if (fast)
-                to_chunk_order(q + i * d, row, d, bits);
-            else
-                memcpy(row, q + i * d, sizeof(float) * d);
-            for (int64_t e = 0; e < d; e++) row[e] *= scale;
-        }
+        lmsp_attention_queries(fast, q, qs, batch * heads * rows, d, bits, scale);
 #pragma omp parallel reduction(| : failed) if (parallel)
         {
-            /* the decoded rows (BLOCK of them, or BLOCK keys and one value row), the
-             * weights (rows x BLOCK) and, for attend_avx2, the rows' fades */
-            float *scratch = malloc(sizeof(float) * (BLOCK * d + d + rows * BLOCK + rows));
+            float *scratch = malloc(sizeof(float) * lmsp_attention_scratch(rows, d));
             if (scratch == NULL) failed = 1;
 #pragma omp for schedule(dynamic)
             for (int64_t t = 0; t < tasks; t++) {
                 if (scratch == NULL) continue;
-                const int64_t bh = t / splits, split = t % splits, p0 = split * SPLIT;
-                const int64_t p1 = p0 + SPLIT < n ? p0 + SPLIT : n;
-#if defined(__x86_64__)
-                if (fast) {
-                    attend_avx2(qs + bh * rows * d, &keys, &values, bh / heads, bh % heads, p0, p1, rows, d, bits,
-                                group, tops + t * rows, totals + t * rows, accs + t * rows * d, scratch);
-                    continue;
-                }
-#endif
-                attend(qs + bh * rows * d, &keys, &values, bh / heads, bh % heads, p0, p1, rows, d, bits, group,
-                       tops + t * rows, totals + t * rows, accs + t * rows * d, scratch);
+                const int64_t bh = t / splits, p0 = t % splits * SPLIT;
+                lmsp_attention_split(fast, qs + bh * rows * d, &keys, &values, bh / heads, bh % heads, p0,
+                                     p0 + SPLIT < n ? p0 + SPLIT : n, rows, d, bits, group, tops + t * rows,
+                                     totals + t * rows, accs + t * rows * d, scratch);
             }
             free(scratch);
         }
     }
-    if (!failed) {
-        /* The splits' states merged per query row, rescaled to the row's overall maximum. */
-        float *row = malloc(sizeof(float) * d);
-        failed = row == NULL;
-        for (int64_t bh = 0; !failed && bh < batch * heads; bh++)
-            for (int64_t r = 0; r < rows; r++) {
-                float best = -INFINITY, total = 0.0f;
-                for (int64_t s = 0; s < splits; s++) best = fmaxf(best, tops[(bh * splits + s) * rows + r]);
-                memset(row, 0, sizeof(float) * d);
-                for (int64_t s = 0; s < splits; s++) {
-                    const int64_t at = (bh * splits + s) * rows + r;
-                    const float f = expf(tops[at] - best);
-                    total += f * totals[at];
-                    for (int64_t e = 0; e < d; e++) row[e] += f * accs[at * d + e];
-                }
-                for (int64_t e = 0; e < d; e++) row[e] /= total;
-                float *o = out + (bh * rows + r) * d;
-                if (fast)
-                    from_chunk_order(row, o, d, bits);
-                else
-                    memcpy(o, row, sizeof(float) * d);
-            }
-        free(row);
-    }
-    free(qs), free(tops), free(totals), free(accs);
+    for (int64_t bh = 0; !failed && bh < batch * heads; bh++)
+        lmsp_attention_merge(fast, tops + bh * splits * rows, totals + bh * splits * rows,
+                             accs + bh * splits * rows * d, splits, rows, d, bits, out + bh * rows * d, row);
+    free(qs), free(tops), free(totals), free(accs), free(row);
     return failed ? -2 : 0;
 }

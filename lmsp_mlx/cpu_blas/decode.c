@@ -18,8 +18,10 @@
  */
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
+#include "attention.h"
 #include "model.h"
 #include "simd.h"
 #ifdef _OPENMP
@@ -178,17 +180,120 @@ static void attend(const float *q, const float *keys, const float *values, float
 }
 
 
+/* The layer's attention over its plain cache, positions 0..n-1: this thread's share of the
+ * query heads (a work-sharing loop; every thread of the team calls it). */
+static void attend_plain(const lmsp_model *m, const lmsp_layer *ly, const float *q, float *scores, float *att,
+                         int64_t n) {
+    const int64_t hd = m->head_dim, cap = m->capacity, group = m->n_heads / m->n_kv_heads;
+#pragma omp for schedule(static)
+    for (int64_t j = 0; j < m->n_heads; j++) {
+        const int64_t kv = j / group;
+        if (has_avx2() && hd % 8 == 0)
+            attend_avx2(q + j * hd, ly->keys + kv * cap * hd, ly->values + kv * cap * hd, scores + j * n,
+                        att + j * hd, n, hd, m->scale);
+        else
+            attend(q + j * hd, ly->keys + kv * cap * hd, ly->values + kv * cap * hd, scores + j * n, att + j * hd,
+                   n, hd, m->scale);
+    }
+}
+
+/* A quantized cache's attention for one layer: its rows, and the per-step state of
+ * attention.c's split tasks (allocated once a step, shared by the layers). */
+typedef struct {
+    int fast;
+    int64_t rows, splits, words, groups;
+    float *qs, *tops, *totals, *accs, *scratch; /* scratch: one lmsp_attention_scratch + d per thread */
+    int64_t per_thread;
+} QuantizedStep;
+
+static lmsp_rows cache_rows(const uint32_t *w, const float *s, const float *b, const lmsp_model *m,
+                            const QuantizedStep *qa) {
+    const int64_t cap = m->capacity;
+    lmsp_rows r = {w, s, b, {0}, {0}, {0}};
+    r.ws[1] = cap * qa->words, r.ws[2] = qa->words;
+    r.ss[1] = r.bs[1] = cap * qa->groups, r.ss[2] = r.bs[2] = qa->groups;
+    return r;
+}
+
+/* K and V of `pos` quantized into the layer's cache, as QuantizedKVCache's update would. */
+static void store_quantized(const lmsp_model *m, const lmsp_layer *ly, const QuantizedStep *qa, const float *k,
+                            const float *v, int64_t pos) {
+    const int64_t hd = m->head_dim;
+    for (int64_t j = 0; j < m->n_kv_heads; j++) {
+        const int64_t row = j * m->capacity + pos;
+        lmsp_quantize_row(k + j * hd, hd, m->kv_bits, m->kv_group, ly->key_codes + row * qa->words,
+                          ly->key_scales + row * qa->groups, ly->key_biases + row * qa->groups);
+        lmsp_quantize_row(v + j * hd, hd, m->kv_bits, m->kv_group, ly->value_codes + row * qa->words,
+                          ly->value_scales + row * qa->groups, ly->value_biases + row * qa->groups);
+    }
+}
+
+/* The layer's attention over its quantized cache, positions 0..n-1, by this thread's share
+ * of the team: (KV head, 512 positions) tasks, then the KV heads' merges. Called by every
+ * thread of the team (work-sharing loops inside); q is scaled and reordered in qa->qs. */
+static void attend_quantized(const lmsp_model *m, const lmsp_layer *ly, const QuantizedStep *qa, int64_t n,
+                             float *att) {
+    const int64_t hd = m->head_dim, rows = qa->rows, splits = qa->splits, tasks = m->n_kv_heads * splits;
+    const lmsp_rows keys = cache_rows(ly->key_codes, ly->key_scales, ly->key_biases, m, qa);
+    const lmsp_rows values = cache_rows(ly->value_codes, ly->value_scales, ly->value_biases, m, qa);
+#ifdef _OPENMP
+    float *scratch = qa->scratch + omp_get_thread_num() * qa->per_thread;
+#else
+    float *scratch = qa->scratch;
+#endif
+#pragma omp for schedule(dynamic)
+    for (int64_t t = 0; t < tasks; t++) {
+        const int64_t head = t / splits, p0 = t % splits * LMSP_SPLIT;
+        lmsp_attention_split(qa->fast, qa->qs + head * rows * hd, &keys, &values, 0, head, p0,
+                             p0 + LMSP_SPLIT < n ? p0 + LMSP_SPLIT : n, rows, hd, m->kv_bits, m->kv_group,
+                             qa->tops + t * rows, qa->totals + t * rows, qa->accs + t * rows * hd, scratch);
+    }
+#pragma omp for schedule(static)
+    for (int64_t head = 0; head < m->n_kv_heads; head++)
+        lmsp_attention_merge(qa->fast, qa->tops + head * splits * rows, qa->totals + head * splits * rows,
+                             qa->accs + head * splits * rows * hd, splits, rows, hd, m->kv_bits,
+                             att + head * rows * hd, scratch + qa->per_thread - hd);
+}
+
+static void free_quantized(QuantizedStep *qa) {
+    free(qa->qs), free(qa->tops), free(qa->totals), free(qa->accs), free(qa->scratch);
+}
+
+/* The step's state for a quantized cache of n positions; 0, or -1 out of memory. */
+static int prepare_quantized(const lmsp_model *m, int64_t n, QuantizedStep *qa) {
+    const int64_t hd = m->head_dim, nkv = m->n_kv_heads;
+#ifdef _OPENMP
+    const int64_t threads = omp_get_max_threads();
+#else
+    const int64_t threads = 1;
+#endif
+    qa->fast = lmsp_attention_fast(m->kv_bits);
+    qa->rows = m->n_heads / nkv, qa->splits = (n + LMSP_SPLIT - 1) / LMSP_SPLIT;
+    qa->words = hd * m->kv_bits / 32, qa->groups = hd / m->kv_group;
+    qa->per_thread = lmsp_attention_scratch(qa->rows, hd) + hd;
+    const int64_t states = nkv * qa->splits * qa->rows;
+    qa->qs = malloc(sizeof(float) * m->n_heads * hd);
+    qa->tops = malloc(sizeof(float) * states), qa->totals = malloc(sizeof(float) * states);
+    qa->accs = malloc(sizeof(float) * states * hd), qa->scratch = malloc(sizeof(float) * threads * qa->per_thread);
+    if (qa->qs && qa->tops && qa->totals && qa->accs && qa->scratch) return 0;
+    free_quantized(qa);
+    return -1;
+}
+
 /*
  * Logits for `token` at position `pos` (the cache holds positions 0..pos-1; K/V of `pos`
  * are written). `scratch` holds dim*2 + (n_heads + 2*n_kv_heads + n_heads)*head_dim +
- * hidden*2 + n_heads*(pos+1) floats.
+ * hidden*2 + n_heads*(pos+1) floats. With a quantized cache (kv_bits), its attention is
+ * attention.c's, run by this step's team. Returns 0, or -1 out of memory (nothing written).
  */
-void lmsp_decode_step(const lmsp_model *m, int32_t token, int32_t pos, const float *cos, const float *sin,
-                      float *logits, float *scratch) {
+int lmsp_decode_step(const lmsp_model *m, int32_t token, int32_t pos, const float *cos, const float *sin,
+                     float *logits, float *scratch) {
     const int64_t dim = m->dim, hd = m->head_dim, nh = m->n_heads, nkv = m->n_kv_heads, hidden = m->hidden;
-    const int64_t n = (int64_t)pos + 1, cap = m->capacity, group = nh / nkv;
+    const int64_t n = (int64_t)pos + 1, cap = m->capacity;
     float *x = scratch, *h = x + dim, *q = h + dim, *k = q + nh * hd, *v = k + nkv * hd, *att = v + nkv * hd;
     float *gate = att + nh * hd, *up = gate + hidden, *scores = up + hidden;
+    QuantizedStep qa = {0};
+    if (m->kv_bits && prepare_quantized(m, n, &qa) != 0) return -1;
     memcpy(x, m->embed + (int64_t)token * dim, (size_t)dim * sizeof(float));
 #pragma omp parallel
     {
@@ -207,21 +312,19 @@ void lmsp_decode_step(const lmsp_model *m, int32_t token, int32_t pos, const flo
                 add_bias(v, ly->bv, nkv * hd);
                 for (int64_t j = 0; j < nh; j++) rope_head(q + j * hd, m->rope_dims, cos, sin);
                 for (int64_t j = 0; j < nkv; j++) rope_head(k + j * hd, m->rope_dims, cos, sin);
-                for (int64_t j = 0; j < nkv; j++) {
-                    memcpy(ly->keys + (j * cap + pos) * hd, k + j * hd, (size_t)hd * sizeof(float));
-                    memcpy(ly->values + (j * cap + pos) * hd, v + j * hd, (size_t)hd * sizeof(float));
-                }
+                if (m->kv_bits) {
+                    store_quantized(m, ly, &qa, k, v, pos);
+                    lmsp_attention_queries(qa.fast, q, qa.qs, nh, hd, m->kv_bits, m->scale);
+                } else
+                    for (int64_t j = 0; j < nkv; j++) {
+                        memcpy(ly->keys + (j * cap + pos) * hd, k + j * hd, (size_t)hd * sizeof(float));
+                        memcpy(ly->values + (j * cap + pos) * hd, v + j * hd, (size_t)hd * sizeof(float));
+                    }
             }
-#pragma omp for schedule(static)
-            for (int64_t j = 0; j < nh; j++) {
-                int64_t kv = j / group;
-                if (has_avx2() && hd % 8 == 0)
-                    attend_avx2(q + j * hd, ly->keys + kv * cap * hd, ly->values + kv * cap * hd, scores + j * n,
-                                att + j * hd, n, hd, m->scale);
-                else
-                    attend(q + j * hd, ly->keys + kv * cap * hd, ly->values + kv * cap * hd, scores + j * n,
-                           att + j * hd, n, hd, m->scale);
-            }
+            if (m->kv_bits)
+                attend_quantized(m, ly, &qa, n, att);
+            else
+                attend_plain(m, ly, q, scores, att, n);
             gemv_part(ly->wo, att, x, dim, nh * hd, 1);
 #pragma omp barrier
 #pragma omp single
@@ -241,4 +344,6 @@ void lmsp_decode_step(const lmsp_model *m, int32_t token, int32_t pos, const flo
         rms_norm(x, m->final_norm, h, dim, m->eps);
         gemv_part(m->head, h, logits, m->vocab, dim, 0);
     }
+    if (m->kv_bits) free_quantized(&qa);
+    return 0;
 }

@@ -4,7 +4,10 @@
  * engine/cpu_decode.py fills it (ctypes mirror: _Layer, _Model).
  *
  * A layer's cache is (n_kv_heads, capacity, head_dim), contiguous: mlx-lm's KVCache
- * buffer for batch 1. RoPE is the non-traditional (half-split) form over rope_dims.
+ * buffer for batch 1. Or, where kv_bits is set (decode.c only), mlx-lm's QuantizedKVCache
+ * buffers: codes (n_kv_heads, capacity, head_dim * kv_bits / 32) uint32, scales and biases
+ * (n_kv_heads, capacity, head_dim / kv_group) float32. RoPE is the non-traditional
+ * (half-split) form over rope_dims.
  */
 #ifndef LMSP_MODEL_H
 #define LMSP_MODEL_H
@@ -16,6 +19,8 @@ typedef struct {
     const float *attn_norm, *wq, *wk, *wv, *wo, *mlp_norm, *wgate, *wup, *wdown;
     const float *bq, *bk, *bv; /* NULL where the model has no bias (llama); Qwen2 has these */
     float *keys, *values;
+    uint32_t *key_codes, *value_codes; /* a quantized cache (kv_bits > 0) */
+    float *key_scales, *key_biases, *value_scales, *value_biases;
 } lmsp_layer;
 
 typedef struct {
@@ -23,6 +28,7 @@ typedef struct {
     float eps, scale;
     const float *embed, *final_norm, *head;
     lmsp_layer *layers;
+    int32_t kv_bits, kv_group; /* 0, 0: a plain float cache */
 } lmsp_model;
 
 static inline void rms_norm(const float *x, const float *w, float *out, int64_t n, float eps) {

@@ -9,9 +9,14 @@ would.
 
 `install(model)` gives the model a `__call__` that takes this path for a one-token input
 against plain `KVCache`s with room for the token, and MLX's otherwise: prefill, a cache
-about to grow (MLX grows it, the next steps are fast again), sliding-window or quantized
-caches. Models it does not recognise (not llama/qwen2 layouts, quantized or half
-weights, rope scaling other than plain) are left alone. `LMSP_CPU_DECODE=0` turns it off.
+about to grow (MLX grows it, the next steps are fast again), sliding-window caches.
+`--kv-bits` caches (`QuantizedKVCache`, float32 scales) take it too: the step quantizes
+the new K/V row as `mx.quantize` does and runs attention.c's attention over the cache
+inside its own thread team (through MLX such a step ran op by op, 3x slower than a plain
+cache's). Like attention.c elsewhere, that follows LMSP_KERNELS: under `reference` or
+`off` a quantized cache's steps go through MLX. Models it does not recognise (not
+llama/qwen2 layouts, quantized or half weights, rope scaling other than plain) are left
+alone. `LMSP_CPU_DECODE=0` turns it off.
 """
 
 from __future__ import annotations
@@ -23,9 +28,10 @@ import os
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
-from mlx_lm.models.cache import KVCache
+from mlx_lm.models.cache import KVCache, QuantizedKVCache
 
 from .. import cpu_blas
+from ..kernels import mode as kernel_mode
 from .cpu_math import FusedRoPE, _rope_tables
 
 log = logging.getLogger("lmsp_mlx.engine")
@@ -33,25 +39,31 @@ log = logging.getLogger("lmsp_mlx.engine")
 P = ctypes.POINTER(ctypes.c_float)
 
 
+W = ctypes.POINTER(ctypes.c_uint32)
+CODES = ("key_codes", "key_scales", "key_biases", "value_codes", "value_scales", "value_biases")
+
+
 class _Layer(ctypes.Structure):
     _fields_ = [(name, P) for name in (
-        "attn_norm", "wq", "wk", "wv", "wo", "mlp_norm", "wgate", "wup", "wdown", "bq", "bk", "bv", "keys", "values")]
+        "attn_norm", "wq", "wk", "wv", "wo", "mlp_norm", "wgate", "wup", "wdown", "bq", "bk", "bv", "keys", "values")] + [
+        ("key_codes", W), ("value_codes", W)] + [
+        (name, P) for name in ("key_scales", "key_biases", "value_scales", "value_biases")]
 
 
 class _Model(ctypes.Structure):
     _fields_ = [(name, ctypes.c_int32) for name in (
         "n_layers", "dim", "n_heads", "n_kv_heads", "head_dim", "hidden", "vocab", "capacity", "rope_dims")] + [
         ("eps", ctypes.c_float), ("scale", ctypes.c_float), ("embed", P), ("final_norm", P), ("head", P),
-        ("layers", ctypes.POINTER(_Layer))]
+        ("layers", ctypes.POINTER(_Layer)), ("kv_bits", ctypes.c_int32), ("kv_group", ctypes.c_int32)]
 
 
 def _ptr(a: np.ndarray | None):
     return ctypes.cast(a.ctypes.data, P) if a is not None else None
 
 
-def _view(a: mx.array) -> np.ndarray | None:
-    """A zero-copy view of an evaluated float32 MLX array, if it is contiguous."""
-    if a.dtype != mx.float32:
+def _view(a: mx.array, dtype=mx.float32) -> np.ndarray | None:
+    """A zero-copy view of an evaluated MLX array of `dtype`, if it is contiguous."""
+    if a.dtype != dtype:
         return None
     view = np.asarray(a)
     return view if view.flags["C_CONTIGUOUS"] else None
@@ -97,34 +109,71 @@ class CompiledModel:
         )
         self.rope = (float(rope.base), float(rope.scale))
 
+    def layout(self, cache: list) -> tuple[int, int, int] | None:
+        """(offset, bits, group) if `cache` is one batch-1 cache per layer at one offset that
+        the step can read: plain float32 KVCaches (bits 0), or QuantizedKVCaches of one width
+        and group with float32 scales whose rows attention.c takes. Else None."""
+        if len(cache) != len(self.layers) or len({c.offset for c in cache}) != 1:
+            return None
+        kinds = {(type(c), getattr(c, "bits", 0), getattr(c, "group_size", 0)) for c in cache}
+        if len(kinds) != 1:
+            return None
+        kind, bits, group = kinds.pop()
+        hd, heads = self.spec.head_dim, (1, self.spec.n_kv_heads)
+        if kind is KVCache:
+            if any(c.keys is not None and (c.keys.dtype != mx.float32 or c.keys.shape[:2] != heads) for c in cache):
+                return None
+        elif kind is QuantizedKVCache:
+            if kernel_mode() not in ("auto", "kernel"):
+                return None  # LMSP_KERNELS=reference|off: attention.c stays out, MLX runs the step
+            if hd % 32 or group % 32 or hd % group or bits not in (2, 4, 8):
+                return None
+            widths = (hd * bits // 32, hd // group, hd // group) * 2
+            for c in cache:
+                parts = () if c.keys is None else (*c.keys, *c.values)
+                if any(a.shape[:2] != heads or a.shape[-1] != w for a, w in zip(parts, widths)):
+                    return None  # another model's cache, or values narrower than keys
+                if any(a.dtype != mx.float32 for a in parts[1:3] + parts[4:]):
+                    return None  # a half model's scales
+        else:
+            return None
+        return cache[0].offset, (bits if kind is QuantizedKVCache else 0), group
+
     def plain(self, cache: list) -> int | None:
         """The common offset of `cache` if it is one plain batch-1 float32 KVCache per layer, else None."""
-        if len(cache) != len(self.layers) or any(type(c) is not KVCache for c in cache):
-            return None
-        offsets = {c.offset for c in cache}
-        if len(offsets) != 1:
-            return None
-        for c in cache:
-            if c.keys is not None and (c.keys.dtype != mx.float32 or c.keys.shape[:2] != (1, self.spec.n_kv_heads)):
-                return None
-        return offsets.pop()
+        found = self.layout(cache)
+        return found[0] if found is not None and found[1] == 0 else None
 
     def bind(self, cache: list, positions: int) -> int | None:
-        """Point the spec at the caches' buffers if they are plain KVCaches at one offset
-        with room for `positions` more; returns that offset, or None."""
-        pos = self.plain(cache)
-        if pos is None:
+        """Point the spec at the caches' buffers if `layout` takes them and they have room
+        for `positions` more; returns the offset, or None."""
+        found = self.layout(cache)
+        if found is None:
             return None
+        pos, bits, group = found
         capacity = None
         for c, layer in zip(cache, self.layers):
-            if c.keys is None or pos + positions > c.keys.shape[2]:
+            if c.keys is None:
                 return None
-            keys, values = _view(c.keys), _view(c.values)
-            if keys is None or values is None or values.shape != keys.shape or capacity not in (None, keys.shape[2]):
+            if bits:
+                parts = [_view(a, dtype) for a, dtype in zip((*c.keys, *c.values), (mx.uint32, mx.float32, mx.float32) * 2)]
+                shapes = {a.shape[:3] for a in parts if a is not None}
+            else:
+                parts = [_view(c.keys), _view(c.values)]
+                shapes = {a.shape for a in parts if a is not None}
+            if any(a is None for a in parts) or len(shapes) != 1:
                 return None
-            capacity = keys.shape[2]
-            layer.keys, layer.values = _ptr(keys), _ptr(values)
-        self.spec.capacity = capacity
+            size = shapes.pop()[2]
+            if pos + positions > size or capacity not in (None, size):
+                return None
+            capacity = size
+            if bits:
+                for name, a in zip(CODES, parts):
+                    setattr(layer, name, ctypes.cast(a.ctypes.data, W if name.endswith("codes") else P))
+                layer.keys = layer.values = None
+            else:
+                layer.keys, layer.values = _ptr(parts[0]), _ptr(parts[1])
+        self.spec.capacity, self.spec.kv_bits, self.spec.kv_group = capacity, bits, group
         return pos
 
 
@@ -150,8 +199,9 @@ class DecodeStep:
             self.scratch = np.empty(max(need, 2 * self.scratch.size), np.float32)
         cos, sin = _rope_tables(pos, 1, spec.rope_dims, *self.compiled.rope)
         cpu_blas.park_blas_threads()
-        self.lib.lmsp_decode_step(ctypes.byref(spec), token, pos, cos.ctypes.data, sin.ctypes.data,
-                                  self.logits.ctypes.data, self.scratch.ctypes.data)
+        if self.lib.lmsp_decode_step(ctypes.byref(spec), token, pos, cos.ctypes.data, sin.ctypes.data,
+                                     self.logits.ctypes.data, self.scratch.ctypes.data) != 0:
+            raise MemoryError("the compiled decode step could not allocate its attention state")
         for c in cache:
             c.offset += 1
         return mx.array(self.logits)[None, None]
