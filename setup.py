@@ -13,8 +13,10 @@ if sys.platform.startswith("linux"):
     ext_modules.append(
         Extension(
             "lmsp_mlx.cpu_blas._shim",
-            sources=["lmsp_mlx/cpu_blas/shim.c", "lmsp_mlx/cpu_blas/prefill.c", "lmsp_mlx/cpu_blas/forward.c"],
-            depends=["lmsp_mlx/cpu_blas/simd.h", "lmsp_mlx/cpu_blas/blas.h", "lmsp_mlx/cpu_blas/model.h"],
+            sources=["lmsp_mlx/cpu_blas/shim.c", "lmsp_mlx/cpu_blas/prefill.c", "lmsp_mlx/cpu_blas/forward.c",
+                     "lmsp_mlx/cpu_blas/quant.c"],
+            depends=["lmsp_mlx/cpu_blas/simd.h", "lmsp_mlx/cpu_blas/blas.h", "lmsp_mlx/cpu_blas/model.h",
+                     "lmsp_mlx/cpu_blas/quant.h"],
             extra_compile_args=["-O3"],
             libraries=["dl", "m"],
             optional=True,
@@ -26,8 +28,10 @@ if sys.platform.startswith("linux"):
     ext_modules.append(
         Extension(
             "lmsp_mlx.cpu_blas._decode",
-            sources=["lmsp_mlx/cpu_blas/decode.c", "lmsp_mlx/cpu_blas/experts.c", "lmsp_mlx/cpu_blas/attention.c"],
-            depends=["lmsp_mlx/cpu_blas/simd.h", "lmsp_mlx/cpu_blas/model.h", "lmsp_mlx/cpu_blas/attention.h"],
+            sources=["lmsp_mlx/cpu_blas/decode.c", "lmsp_mlx/cpu_blas/experts.c", "lmsp_mlx/cpu_blas/attention.c",
+                     "lmsp_mlx/cpu_blas/quant.c"],
+            depends=["lmsp_mlx/cpu_blas/simd.h", "lmsp_mlx/cpu_blas/model.h", "lmsp_mlx/cpu_blas/attention.h",
+                     "lmsp_mlx/cpu_blas/quant.h"],
             extra_compile_args=["-O3", "-fopenmp"],
             extra_link_args=["-fopenmp"],
             libraries=["m"],

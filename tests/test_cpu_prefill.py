@@ -1,11 +1,12 @@
-"""The compiled prefill (cpu_blas/forward.c) gives MLX's hidden states, KV and tokens."""
+"""The compiled prefill (cpu_blas/forward.c) gives MLX's hidden states, KV and tokens, over
+a plain cache and over a --kv-bits one (QuantizedKVCache)."""
 
 from __future__ import annotations
 
 import numpy as np
 import mlx.core as mx
 import pytest
-from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
+from mlx_lm.models.cache import KVCache, QuantizedKVCache, RotatingKVCache, make_prompt_cache
 
 from lmsp_mlx import cpu_blas
 from lmsp_mlx.engine import cpu_decode, cpu_prefill
@@ -14,15 +15,32 @@ from test_cpu_decode import tiny
 pytestmark = pytest.mark.skipif(cpu_blas.fused_kernels() is None, reason="the compiled BLAS shim is not built")
 
 
-def chunks(model, prompt: list[int], sizes: list[int]):
+def chunks(model, prompt: list[int], sizes: list[int], cache=None):
     """Hidden states of each chunk and the cache after running `prompt` through the model's
     body in chunks of `sizes`."""
-    cache = make_prompt_cache(model)
+    cache = cache or make_prompt_cache(model)
     outs, start = [], 0
     for size in sizes:
         outs.append(np.array(model.model(mx.array([prompt[start : start + size]]), cache=cache)))
         start += size
     return outs, cache
+
+
+def compiled_chunks(model, monkeypatch) -> list[int]:
+    """Counts forward.c's calls (so a test sees that it ran, not MLX in its place)."""
+    run, calls = model.model.prefill_pass, []
+    real = run.lib
+
+    class Counting:
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+        def lmsp_prefill(self, *args):
+            calls.append(1)
+            return real.lmsp_prefill(*args)
+
+    monkeypatch.setattr(run, "lib", Counting())
+    return calls
 
 
 def close(a, b, tol=2e-5) -> bool:
@@ -50,15 +68,45 @@ def test_prefill_chunks_match_mlx_across_cache_growth(kind, overrides):
             assert close(np.array(x[..., :600, :]), np.array(y[..., :600, :]))
 
 
-def test_greedy_tokens_match_with_both_compiled_passes():
-    """A prompt prefilled by forward.c then decoded by decode.c samples what MLX samples."""
-    reference = tiny("llama")
-    fast = tiny("llama")
+@pytest.mark.parametrize("bits, group, heads", [(4, 32, (4, 2)), (8, 64, (9, 3)), (4, 64, (4, 4))])
+def test_prefill_chunks_over_a_quantized_cache_match_mlx(bits, group, heads, monkeypatch):
+    """The chunk's rows quantized into the cache (grown as mlx-lm grows it) and attention
+    over the dequantized cache: mlx-lm's hidden states and cache."""
+    model = tiny("llama", head_dim=64, num_attention_heads=heads[0], num_key_value_heads=heads[1])
+    quantized = lambda: [QuantizedKVCache(group_size=group, bits=bits) for _ in model.layers]  # noqa: E731
+    prompt = [int(t) for t in np.random.default_rng(6).integers(0, 300, 600)]
+    sizes = [200, 100, 7, 293]
+    want, want_cache = chunks(model, prompt, sizes, quantized())
+    assert cpu_prefill.install(model)
+    calls = compiled_chunks(model, monkeypatch)
+    got, got_cache = chunks(model, prompt, sizes, quantized())
+    assert len(calls) == len(sizes)
+    for a, b in zip(got, want):
+        # K/V differ from MLX's in the last float bits, so a code on a rounding edge may
+        # round the other way: one quantization step in a few values.
+        assert a.shape == b.shape and close(a, b, 1e-3)
+    for mine, theirs in zip(got_cache, want_cache):
+        assert type(mine) is QuantizedKVCache and mine.offset == theirs.offset == 600
+        assert [a.shape for a in mine.keys] == [a.shape for a in theirs.keys]  # grown in the same steps
+        for x, y in ((mine.keys, theirs.keys), (mine.values, theirs.values)):
+            assert (np.array(x[0][..., :600, :]) == np.array(y[0][..., :600, :])).mean() > 0.999
+            rows = [np.array(mx.dequantize(*(p[..., :600, :] for p in c), group_size=group, bits=bits)) for c in (x, y)]
+            assert np.abs(rows[0] - rows[1]).max() <= 1.01 * float(np.abs(np.array(y[1])).max()) + 1e-5
+
+
+@pytest.mark.parametrize("bits", [None, 4])
+def test_greedy_tokens_match_with_both_compiled_passes(bits, monkeypatch):
+    """A prompt prefilled by forward.c then decoded by decode.c samples what MLX samples,
+    over a plain cache and over a 4-bit one."""
+    reference = tiny("llama", head_dim=64)
+    fast = tiny("llama", head_dim=64)
     assert cpu_prefill.install(fast) and cpu_decode.install(fast)
+    calls = compiled_chunks(fast, monkeypatch)
     prompt = list(range(30, 130))
 
     def greedy(model, n=40):
-        cache = make_prompt_cache(model)
+        cache = make_prompt_cache(model) if bits is None else [
+            QuantizedKVCache(group_size=32, bits=bits) for _ in model.layers]
         model.model(mx.array([prompt[:-1]]), cache=cache)
         token, out = prompt[-1], []
         for _ in range(n):
@@ -66,7 +114,7 @@ def test_greedy_tokens_match_with_both_compiled_passes():
             out.append(token)
         return out
 
-    assert greedy(fast) == greedy(reference)
+    assert greedy(fast) == greedy(reference) and calls == [1]
 
 
 def test_other_caches_and_inputs_go_through_mlx():

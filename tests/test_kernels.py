@@ -211,7 +211,8 @@ def portable_decode_build(tmp_path_factory):
     here = Path(cpu_blas.__file__).parent
     out = tmp_path_factory.mktemp("portable") / "decode.so"
     subprocess.run(["gcc", "-O2", "-fopenmp", "-shared", "-fPIC", "-DLMSP_PORTABLE", "-o", str(out),
-                    *(str(here / f) for f in ("decode.c", "experts.c", "attention.c")), "-lm"], check=True, timeout=120)
+                    *(str(here / f) for f in ("decode.c", "experts.c", "attention.c", "quant.c")), "-lm"], check=True,
+                   timeout=120)
     return cpu_blas.declare_decode(ctypes.CDLL(str(out)))
 
 

@@ -286,33 +286,6 @@ void lmsp_attention_merge(int fast, const float *tops, const float *totals, cons
     }
 }
 
-void lmsp_quantize_row(const float *x, int64_t d, int bits, int group, uint32_t *w, float *s, float *b) {
-    /* MLX's CPU quantize, step for step (divisions, not reciprocals; rintf under the default
-     * rounding mode), so a row written here reads back as the same bits a QuantizedKVCache
-     * update would have stored: checkpoints and greedy tokens do not depend on which path
-     * wrote the cache. */
-    const float bins = (float)((1 << bits) - 1);
-    uint64_t acc = 0;
-    int have = 0;
-    for (int64_t g = 0; g < d / group; g++) {
-        const float *xs = x + g * group;
-        float lo = INFINITY, hi = -INFINITY;
-        for (int j = 0; j < group; j++) hi = fmaxf(hi, xs[j]), lo = fminf(lo, xs[j]);
-        const int low_edge = fabsf(lo) > fabsf(hi);
-        float scale = fmaxf((hi - lo) / bins, 1e-7f);
-        scale = low_edge ? scale : -scale;
-        const float edge = low_edge ? lo : hi, q0 = rintf(edge / scale);
-        float bias = 0.0f;
-        if (q0 != 0.0f) scale = edge / q0, bias = edge;
-        s[g] = scale, b[g] = bias;
-        for (int j = 0; j < group; j++) {
-            const float v = fminf(fmaxf(rintf((xs[j] - bias) / scale), 0.0f), bins);
-            acc |= (uint64_t)v << have; /* one little-endian bit stream, as the kernels read it */
-            if ((have += bits) >= 32) *w++ = (uint32_t)acc, acc >>= 32, have -= 32;
-        }
-    }
-}
-
 /* out (batch, heads, rows, d) = softmax(q k^T * scale) v for each KV head's `rows` query
  * rows q (batch, heads, rows, d), contiguous. `strides` holds 18 element strides: (batch,
  * head, row) for kw, ks, kb, vw, vs, vb. `parallel`: across the cores (OpenMP), else on the

@@ -7,8 +7,8 @@
  * The pieces: the query rows scaled and put in the order the decoded rows come in
  * (lmsp_attention_queries); each (KV head, SPLIT positions) task's running softmax state
  * (lmsp_attention_split, one scratch of lmsp_attention_scratch floats per thread); a KV
- * head's splits merged into its output rows (lmsp_attention_merge). And the layout's
- * writer: one row quantized as mx.quantize does it (lmsp_quantize_row).
+ * head's splits merged into its output rows (lmsp_attention_merge). The layout's writer
+ * is quant.h's.
  */
 #ifndef LMSP_ATTENTION_H
 #define LMSP_ATTENTION_H
@@ -44,10 +44,5 @@ void lmsp_attention_split(int fast, const float *qs, const lmsp_rows *keys, cons
  * d floats of scratch. */
 void lmsp_attention_merge(int fast, const float *tops, const float *totals, const float *accs, int64_t splits,
                           int64_t rows, int64_t d, int bits, float *out, float *row);
-
-/* x (d floats) quantized as mx.quantize does it (affine, groups of `group`, round half to
- * even, the group's edge value kept exact), into d * bits / 32 words, d / group scales and
- * d / group biases: the row a QuantizedKVCache would hold. */
-void lmsp_quantize_row(const float *x, int64_t d, int bits, int group, uint32_t *w, float *s, float *b);
 
 #endif

@@ -23,6 +23,7 @@
 
 #include "attention.h"
 #include "model.h"
+#include "quant.h"
 #include "simd.h"
 #ifdef _OPENMP
 #include <omp.h>
@@ -215,19 +216,6 @@ static lmsp_rows cache_rows(const uint32_t *w, const float *s, const float *b, c
     return r;
 }
 
-/* K and V of `pos` quantized into the layer's cache, as QuantizedKVCache's update would. */
-static void store_quantized(const lmsp_model *m, const lmsp_layer *ly, const QuantizedStep *qa, const float *k,
-                            const float *v, int64_t pos) {
-    const int64_t hd = m->head_dim;
-    for (int64_t j = 0; j < m->n_kv_heads; j++) {
-        const int64_t row = j * m->capacity + pos;
-        lmsp_quantize_row(k + j * hd, hd, m->kv_bits, m->kv_group, ly->key_codes + row * qa->words,
-                          ly->key_scales + row * qa->groups, ly->key_biases + row * qa->groups);
-        lmsp_quantize_row(v + j * hd, hd, m->kv_bits, m->kv_group, ly->value_codes + row * qa->words,
-                          ly->value_scales + row * qa->groups, ly->value_biases + row * qa->groups);
-    }
-}
-
 /* The layer's attention over its quantized cache, positions 0..n-1, by this thread's share
  * of the team: (KV head, 512 positions) tasks, then the KV heads' merges. Called by every
  * thread of the team (work-sharing loops inside); q is scaled and reordered in qa->qs. */
@@ -289,7 +277,7 @@ static int prepare_quantized(const lmsp_model *m, int64_t n, QuantizedStep *qa) 
 int lmsp_decode_step(const lmsp_model *m, int32_t token, int32_t pos, const float *cos, const float *sin,
                      float *logits, float *scratch) {
     const int64_t dim = m->dim, hd = m->head_dim, nh = m->n_heads, nkv = m->n_kv_heads, hidden = m->hidden;
-    const int64_t n = (int64_t)pos + 1, cap = m->capacity;
+    const int64_t n = (int64_t)pos + 1;
     float *x = scratch, *h = x + dim, *q = h + dim, *k = q + nh * hd, *v = k + nkv * hd, *att = v + nkv * hd;
     float *gate = att + nh * hd, *up = gate + hidden, *scores = up + hidden;
     QuantizedStep qa = {0};
@@ -312,14 +300,8 @@ int lmsp_decode_step(const lmsp_model *m, int32_t token, int32_t pos, const floa
                 add_bias(v, ly->bv, nkv * hd);
                 for (int64_t j = 0; j < nh; j++) rope_head(q + j * hd, m->rope_dims, cos, sin);
                 for (int64_t j = 0; j < nkv; j++) rope_head(k + j * hd, m->rope_dims, cos, sin);
-                if (m->kv_bits) {
-                    store_quantized(m, ly, &qa, k, v, pos);
-                    lmsp_attention_queries(qa.fast, q, qa.qs, nh, hd, m->kv_bits, m->scale);
-                } else
-                    for (int64_t j = 0; j < nkv; j++) {
-                        memcpy(ly->keys + (j * cap + pos) * hd, k + j * hd, (size_t)hd * sizeof(float));
-                        memcpy(ly->values + (j * cap + pos) * hd, v + j * hd, (size_t)hd * sizeof(float));
-                    }
+                lmsp_store_kv(m, ly, k, v, pos);
+                if (m->kv_bits) lmsp_attention_queries(qa.fast, q, qa.qs, nh, hd, m->kv_bits, m->scale);
             }
             if (m->kv_bits)
                 attend_quantized(m, ly, &qa, n, att);

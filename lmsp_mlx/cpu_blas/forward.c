@@ -9,11 +9,17 @@
  * queries straight into the layout the attention kernel takes and the keys straight into
  * the cache. Attention and SwiGLU are prefill.c's. What is left is a few cache-sized passes
  * on the calling thread, while OpenBLAS's worker waits on the other core.
+ *
+ * A quantized cache (--kv-bits): the chunk's K/V rows are quantized into it as mlx-lm's
+ * update would, and the chunk attends over the whole cache dequantized into a buffer for
+ * the layer, new rows included, which is what mlx-lm's quantized attention reads.
  */
+#include <stdlib.h>
 #include <string.h>
 
 #include "blas.h"
 #include "model.h"
+#include "quant.h"
 
 /* y (n x out) = x (n x in) W^T, plus y when `add`: W is (out, in) row-major, as nn.Linear's. */
 static void linear(const float *x, const float *w, float *y, int64_t n, int64_t in, int64_t out, int add) {
@@ -24,6 +30,15 @@ static void linear(const float *x, const float *w, float *y, int64_t n, int64_t 
 int64_t lmsp_prefill_scratch(const lmsp_model *m, int64_t n) {
     int64_t qdim = (int64_t)m->n_heads * m->head_dim, kvdim = (int64_t)m->n_kv_heads * m->head_dim;
     return n * (2 * (int64_t)m->dim + 3 * qdim + 2 * kvdim + 2 * (int64_t)m->hidden);
+}
+
+/* Each KV head's rows 0..total-1 of a quantized cache as floats, (n_kv_heads, total, head_dim). */
+static void dequantize_cache(const lmsp_model *m, const uint32_t *w, const float *s, const float *b, int64_t total,
+                             float *out) {
+    const int64_t hd = m->head_dim, words = hd * m->kv_bits / 32, groups = hd / m->kv_group, cap = m->capacity;
+    for (int64_t j = 0; j < m->n_kv_heads; j++)
+        lmsp_dequantize_rows(w + j * cap * words, s + j * cap * groups, b + j * cap * groups, total, hd, m->kv_bits,
+                             m->kv_group, out + j * total * hd);
 }
 
 /*
@@ -39,8 +54,20 @@ int lmsp_prefill(const lmsp_model *m, const int32_t *tokens, int64_t n, int64_t 
     const int64_t qdim = nh * hd, kvdim = nkv * hd;
     float *x = scratch, *h = x + n * dim, *q = h + n * dim, *k = q + n * qdim, *v = k + n * kvdim;
     float *qg = v + n * kvdim, *att = qg + n * qdim, *gate = att + n * qdim, *up = gate + n * hidden;
+    /* the layer's cache as the attention reads it: the plain buffers, or a quantized
+       cache's rows 0..pos+n-1 dequantized (kf, vf) */
+    const float *keys, *values;
+    int64_t stride = cap;
+    float *kf = NULL, *vf = NULL;
+    if (m->kv_bits) {
+        stride = pos + n;
+        kf = malloc(sizeof(float) * 2 * nkv * stride * hd);
+        if (kf == NULL) return 1;
+        vf = kf + nkv * stride * hd;
+    }
+    int failed = 0;
     for (int64_t t = 0; t < n; t++) memcpy(x + t * dim, m->embed + (int64_t)tokens[t] * dim, dim * sizeof(float));
-    for (int32_t l = 0; l < m->n_layers; l++) {
+    for (int32_t l = 0; !failed && l < m->n_layers; l++) {
         const lmsp_layer *ly = &m->layers[l];
         for (int64_t t = 0; t < n; t++) rms_norm(x + t * dim, ly->attn_norm, h + t * dim, dim, m->eps);
         linear(h, ly->wq, q, n, dim, qdim, 0);
@@ -58,16 +85,19 @@ int lmsp_prefill(const lmsp_model *m, const int32_t *tokens, int64_t n, int64_t 
                 rope_head(qt + j * hd, m->rope_dims, c, s);
                 memcpy(qg + (((j / group) * n + t) * group + j % group) * hd, qt + j * hd, hd * sizeof(float));
             }
-            for (int64_t j = 0; j < nkv; j++) {
-                rope_head(kt + j * hd, m->rope_dims, c, s);
-                memcpy(ly->keys + (j * cap + pos + t) * hd, kt + j * hd, hd * sizeof(float));
-                memcpy(ly->values + (j * cap + pos + t) * hd, vt + j * hd, hd * sizeof(float));
-            }
+            for (int64_t j = 0; j < nkv; j++) rope_head(kt + j * hd, m->rope_dims, c, s);
+            lmsp_store_kv(m, ly, kt, vt, pos + t);
         }
-        for (int64_t j = 0; j < nkv; j++)
-            if (lmsp_causal_attention(qg + j * n * group * hd, ly->keys + j * cap * hd, ly->values + j * cap * hd,
-                                      att + j * n * group * hd, n, group, pos + n, hd, m->scale))
-                return 1;
+        if (m->kv_bits) {
+            dequantize_cache(m, ly->key_codes, ly->key_scales, ly->key_biases, stride, kf);
+            dequantize_cache(m, ly->value_codes, ly->value_scales, ly->value_biases, stride, vf);
+            keys = kf, values = vf;
+        } else
+            keys = ly->keys, values = ly->values;
+        for (int64_t j = 0; !failed && j < nkv; j++)
+            failed = lmsp_causal_attention(qg + j * n * group * hd, keys + j * stride * hd, values + j * stride * hd,
+                                           att + j * n * group * hd, n, group, pos + n, hd, m->scale) != 0;
+        if (failed) break;
         /* Back to (n, nh * hd) for the output projection, reusing q. */
         for (int64_t t = 0; t < n; t++)
             for (int64_t j = 0; j < nkv; j++)
@@ -79,6 +109,8 @@ int lmsp_prefill(const lmsp_model *m, const int32_t *tokens, int64_t n, int64_t 
         lmsp_swiglu(gate, up, gate, n * hidden);
         linear(gate, ly->wdown, x, n, hidden, dim, 1);
     }
+    free(kf);
+    if (failed) return 1;
     for (int64_t t = 0; t < n; t++) rms_norm(x + t * dim, m->final_norm, out + t * dim, dim, m->eps);
     return 0;
 }

@@ -6,11 +6,15 @@ copies between MLX and numpy for the fused kernels, each a separate single-core 
 `lmsp_prefill` (cpu_blas/forward.c, in the BLAS shim) runs a chunk through every layer:
 OpenBLAS sgemms on MLX's weight buffers, prefill.c's attention and SwiGLU, and K/V
 written straight into the layers' mlx-lm `KVCache` buffers. The cache grows as
-`update_and_fetch` would grow it, and its offset advances as it would.
+`update_and_fetch` would grow it, and its offset advances as it would. A `--kv-bits`
+cache (`QuantizedKVCache`) takes the same call: the rows are quantized into it as
+`mx.quantize` does, and the chunk attends over the cache dequantized for the layer, as
+mlx-lm's quantized attention reads it. Through MLX such a chunk ran op by op.
 
 `install(model)` gives the model's body (the `model` attribute of an mlx-lm model,
 which returns the final normalized hidden states) a `__call__` that takes this path for
-a multi-token batch-1 input against plain `KVCache`s, and MLX's otherwise. It applies to
+a multi-token batch-1 input against the caches the compiled decode step reads
+(`CompiledModel.layout`), and MLX's otherwise. It applies to
 the models the compiled decode step takes (cpu_decode._supported). `LMSP_CPU_PREFILL=0`
 turns it off.
 """
@@ -41,7 +45,8 @@ class PrefillPass:
         `update_and_fetch` does (its step size and layout), without advancing it."""
         spec = self.compiled.spec
         for c in cache:
-            if c.keys is None or c.offset + n > c.keys.shape[2]:
+            rows = None if c.keys is None else (c.keys[0] if isinstance(c.keys, tuple) else c.keys).shape[2]
+            if rows is None or c.offset + n > rows:
                 zeros = mx.zeros((1, spec.n_kv_heads, n, spec.head_dim), mx.float32)
                 c.update_and_fetch(zeros, zeros)
                 c.offset -= n
@@ -52,7 +57,7 @@ class PrefillPass:
         `cache`; None where this chunk must go through MLX."""
         n = tokens.shape[1]
         ids = np.ascontiguousarray(np.asarray(tokens, dtype=np.int32)[0])
-        if self.compiled.plain(cache) is None or ids.min() < 0 or ids.max() >= self.compiled.spec.vocab:
+        if self.compiled.layout(cache) is None or ids.min() < 0 or ids.max() >= self.compiled.spec.vocab:
             return None  # out-of-range ids: what MLX makes of them, never a read outside the table
         self._make_room(cache, n)
         pos = self.compiled.bind(cache, n)
