@@ -125,3 +125,26 @@ def test_other_caches_and_inputs_go_through_mlx():
     assert out.shape == (1, 50, 64) and type(rotating[0]) is RotatingKVCache and rotating[0].offset == 50
     two = model.model(mx.array([[1, 2, 3], [4, 5, 6]]), cache=make_prompt_cache(model))  # batch 2: MLX
     assert two.shape == (2, 3, 64)
+
+
+def test_a_quantized_cache_restored_from_a_checkpoint_takes_the_compiled_pass(monkeypatch):
+    """A checkpoint read back from disk holds a QuantizedKVCache's parts in lists, not
+    tuples: the next chunk still runs compiled, growing the cache, with MLX's result."""
+    model = tiny("llama", head_dim=64)
+    prompt = [int(t) for t in np.random.default_rng(7).integers(0, 300, 300)]
+
+    def restored():
+        cache = [QuantizedKVCache(group_size=32, bits=8) for _ in model.layers]
+        model.model(mx.array([prompt[:250]]), cache=cache)
+        for c in cache:
+            c.keys, c.values = list(c.keys), list(c.values)
+        return cache
+
+    theirs = restored()
+    want = np.array(model.model(mx.array([prompt[250:]]), cache=theirs))
+    assert cpu_prefill.install(model)
+    mine = restored()
+    calls = compiled_chunks(model, monkeypatch)
+    got = np.array(model.model(mx.array([prompt[250:]]), cache=mine))
+    assert calls == [1] and mine[0].offset == theirs[0].offset == 300 and close(got, want, 1e-3)
+    assert mine[0].keys[0].shape == theirs[0].keys[0].shape  # grown as mlx-lm grows it

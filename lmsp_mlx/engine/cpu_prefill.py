@@ -26,6 +26,7 @@ import ctypes
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
+from mlx_lm.models.cache import QuantizedKVCache
 
 from .. import cpu_blas
 from .cpu_decode import CompiledModel, compile_model
@@ -45,7 +46,8 @@ class PrefillPass:
         `update_and_fetch` does (its step size and layout), without advancing it."""
         spec = self.compiled.spec
         for c in cache:
-            rows = None if c.keys is None else (c.keys[0] if isinstance(c.keys, tuple) else c.keys).shape[2]
+            # a QuantizedKVCache's keys are (codes, scales, biases): a tuple, or a list when restored
+            rows = None if c.keys is None else (c.keys[0] if isinstance(c, QuantizedKVCache) else c.keys).shape[2]
             if rows is None or c.offset + n > rows:
                 zeros = mx.zeros((1, spec.n_kv_heads, n, spec.head_dim), mx.float32)
                 c.update_and_fetch(zeros, zeros)
