@@ -33,7 +33,9 @@ if sys.platform.startswith("linux"):
             depends=["lmsp_mlx/cpu_blas/simd.h", "lmsp_mlx/cpu_blas/model.h", "lmsp_mlx/cpu_blas/attention.h",
                      "lmsp_mlx/cpu_blas/quant.h"],
             extra_compile_args=["-O3", "-fopenmp"],
-            extra_link_args=["-fopenmp"],
+            # quant.c is in both modules and _shim is loaded RTLD_GLOBAL: -Bsymbolic keeps
+            # this module's calls on its own copies, the ones its tests look up.
+            extra_link_args=["-fopenmp", "-Wl,-Bsymbolic"],
             libraries=["m"],
             optional=True,
         )

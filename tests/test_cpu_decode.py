@@ -85,22 +85,25 @@ def compiled_steps(model, monkeypatch) -> list[int]:
 
 
 @pytest.mark.parametrize("bits, group, heads, prompt, n", [
-    (4, 32, (4, 2), 20, 260),  # 280 positions: MLX grows the cache at 256, the step resumes
-    (8, 64, (6, 2), 20, 40),
-    (4, 64, (9, 3), 1000, 30),  # SmolLM2's 3 query rows a KV head; two splits of 512 positions
-    (2, 32, (4, 4), 20, 40),
+    (4, 32, (4, 2, 64), 20, 260),  # 280 positions: MLX grows the cache at 256, the step resumes
+    (8, 64, (6, 2, 64), 20, 40),
+    (4, 64, (9, 3, 64), 1000, 30),  # SmolLM2's 3 query rows a KV head; several splits
+    (2, 32, (4, 4, 64), 20, 40),
+    (4, 64, (8, 1, 128), 600, 20),  # 8 rows a KV head, heads of 128
+    (8, 32, (5, 1, 96), 40, 20),  # 5 rows, heads of 96 (three 32-code chunks)
 ])
 def test_decode_steps_over_a_quantized_cache_match_mlx(bits, group, heads, prompt, n, monkeypatch):
     """The step quantizes K/V as mx.quantize does and attends over the codes as attention.c
     does: MLX's greedy tokens and logits (to 1e-4), and the cache it would have written."""
-    model = tiny("llama", head_dim=64, num_attention_heads=heads[0], num_key_value_heads=heads[1])
+    model = tiny("llama", head_dim=heads[2], num_attention_heads=heads[0], num_key_value_heads=heads[1])
     quantized = lambda: [QuantizedKVCache(group_size=group, bits=bits) for _ in model.layers]  # noqa: E731
     tokens = [int(t) % 300 for t in range(7, 7 + 3 * prompt, 3)]
     reference = steps(model, tokens, n, fast=False, cache=quantized())
     assert cpu_decode.install(model)
     calls = compiled_steps(model, monkeypatch)
     got = steps(model, tokens, n, fast=True, cache=quantized())
-    assert len(calls) >= n - 1  # every step but a growth one
+    growths = sum(1 for pos in range(prompt, prompt + n) if pos % 256 == 0)  # MLX grows the cache there
+    assert len(calls) == n - growths
     assert got[0] == reference[0]
     worst = max(float(np.abs(a - b).max() / (np.abs(b).max() + 1e-6)) for a, b in zip(got[1], reference[1]))
     assert worst < 1e-4
@@ -126,12 +129,12 @@ def test_other_caches_and_multi_token_inputs_go_through_mlx(monkeypatch):
     want = steps(model, [5, 6, 7], 40, fast=False, cache=[RotatingKVCache(max_size=32) for _ in model.layers])
     got = steps(model, [5, 6, 7], 40, fast=True, cache=rotating)
     assert got[0] == want[0]
-    # A quantized cache under LMSP_KERNELS=reference (attention.c kept out), or of a width
-    # the step does not read (3 bits): MLX's path, with MLX's tokens.
+    # A quantized cache under LMSP_KERNELS=reference or off (attention.c kept out), or of a
+    # width the step does not read (3 bits): MLX's path, with MLX's tokens.
     model64 = tiny("llama", head_dim=64)
     assert cpu_decode.install(model64)
     calls = compiled_steps(model64, monkeypatch)
-    for kernels, bits in (("reference", 4), ("auto", 3)):
+    for kernels, bits in (("reference", 4), ("off", 8), ("auto", 3)):
         monkeypatch.setenv("LMSP_KERNELS", kernels)
         quantized = lambda: [QuantizedKVCache(group_size=32, bits=bits) for _ in model64.layers]  # noqa: E731
         assert steps(model64, [5, 6, 7], 8, fast=True, cache=quantized())[0] == steps(

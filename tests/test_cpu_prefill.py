@@ -10,7 +10,7 @@ from mlx_lm.models.cache import KVCache, QuantizedKVCache, RotatingKVCache, make
 
 from lmsp_mlx import cpu_blas
 from lmsp_mlx.engine import cpu_decode, cpu_prefill
-from test_cpu_decode import tiny
+from test_cpu_decode import compiled_steps, tiny
 
 pytestmark = pytest.mark.skipif(cpu_blas.fused_kernels() is None, reason="the compiled BLAS shim is not built")
 
@@ -101,7 +101,7 @@ def test_greedy_tokens_match_with_both_compiled_passes(bits, monkeypatch):
     reference = tiny("llama", head_dim=64)
     fast = tiny("llama", head_dim=64)
     assert cpu_prefill.install(fast) and cpu_decode.install(fast)
-    calls = compiled_chunks(fast, monkeypatch)
+    calls, steps = compiled_chunks(fast, monkeypatch), compiled_steps(fast, monkeypatch)
     prompt = list(range(30, 130))
 
     def greedy(model, n=40):
@@ -114,7 +114,7 @@ def test_greedy_tokens_match_with_both_compiled_passes(bits, monkeypatch):
             out.append(token)
         return out
 
-    assert greedy(fast) == greedy(reference) and calls == [1]
+    assert greedy(fast) == greedy(reference) and calls == [1] and len(steps) == 40
 
 
 def test_other_caches_and_inputs_go_through_mlx():

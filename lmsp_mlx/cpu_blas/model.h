@@ -4,7 +4,7 @@
  * engine/cpu_decode.py fills it (ctypes mirror: _Layer, _Model).
  *
  * A layer's cache is (n_kv_heads, capacity, head_dim), contiguous: mlx-lm's KVCache
- * buffer for batch 1. Or, where kv_bits is set (decode.c only), mlx-lm's QuantizedKVCache
+ * buffer for batch 1. Or, where kv_bits is set, mlx-lm's QuantizedKVCache
  * buffers: codes (n_kv_heads, capacity, head_dim * kv_bits / 32) uint32, scales and biases
  * (n_kv_heads, capacity, head_dim / kv_group) float32. RoPE is the non-traditional
  * (half-split) form over rope_dims.

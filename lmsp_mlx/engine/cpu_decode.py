@@ -14,7 +14,7 @@ about to grow (MLX grows it, the next steps are fast again), sliding-window cach
 the new K/V row as `mx.quantize` does and runs attention.c's attention over the cache
 inside its own thread team (through MLX such a step ran op by op, 3x slower than a plain
 cache's). Like attention.c elsewhere, that follows LMSP_KERNELS: under `reference` or
-`off` a quantized cache's steps go through MLX. Models it does not recognise (not
+`off` a quantized cache's steps (and, in cpu_prefill, its prompt chunks) go through MLX. Models it does not recognise (not
 llama/qwen2 layouts, quantized or half weights, rope scaling other than plain) are left
 alone. `LMSP_CPU_DECODE=0` turns it off.
 """
@@ -113,19 +113,21 @@ class CompiledModel:
         """(offset, bits, group) if `cache` is one batch-1 cache per layer at one offset that
         the step can read: plain float32 KVCaches (bits 0), or QuantizedKVCaches of one width
         and group with float32 scales whose rows attention.c takes. Else None."""
-        if len(cache) != len(self.layers) or len({c.offset for c in cache}) != 1:
+        if len(cache) != len(self.layers):
             return None
         kinds = {(type(c), getattr(c, "bits", 0), getattr(c, "group_size", 0)) for c in cache}
-        if len(kinds) != 1:
+        if len(kinds) != 1 or len({c.offset for c in cache}) != 1:
             return None
         kind, bits, group = kinds.pop()
+        if kind not in (KVCache, QuantizedKVCache):
+            return None
         hd, heads = self.spec.head_dim, (1, self.spec.n_kv_heads)
         if kind is KVCache:
             if any(c.keys is not None and (c.keys.dtype != mx.float32 or c.keys.shape[:2] != heads) for c in cache):
                 return None
         elif kind is QuantizedKVCache:
             if kernel_mode() not in ("auto", "kernel"):
-                return None  # LMSP_KERNELS=reference|off: attention.c stays out, MLX runs the step
+                return None  # LMSP_KERNELS=reference|off: MLX runs quantized caches' steps and chunks
             if hd % 32 or group % 32 or hd % group or bits not in (2, 4, 8):
                 return None
             widths = (hd * bits // 32, hd // group, hd // group) * 2
@@ -135,14 +137,7 @@ class CompiledModel:
                     return None  # another model's cache, or values narrower than keys
                 if any(a.dtype != mx.float32 for a in parts[1:3] + parts[4:]):
                     return None  # a half model's scales
-        else:
-            return None
         return cache[0].offset, (bits if kind is QuantizedKVCache else 0), group
-
-    def plain(self, cache: list) -> int | None:
-        """The common offset of `cache` if it is one plain batch-1 float32 KVCache per layer, else None."""
-        found = self.layout(cache)
-        return found[0] if found is not None and found[1] == 0 else None
 
     def bind(self, cache: list, positions: int) -> int | None:
         """Point the spec at the caches' buffers if `layout` takes them and they have room
@@ -201,7 +196,8 @@ class DecodeStep:
         cpu_blas.park_blas_threads()
         if self.lib.lmsp_decode_step(ctypes.byref(spec), token, pos, cos.ctypes.data, sin.ctypes.data,
                                      self.logits.ctypes.data, self.scratch.ctypes.data) != 0:
-            raise MemoryError("the compiled decode step could not allocate its attention state")
+            log.warning("compiled decode step: no memory for its attention state at %d positions; MLX runs it", pos)
+            return None  # it failed before writing anything
         for c in cache:
             c.offset += 1
         return mx.array(self.logits)[None, None]
