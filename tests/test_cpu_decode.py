@@ -175,3 +175,18 @@ def test_a_row_quantized_by_the_step_is_the_row_mx_quantize_gives(bits, group):
         lib.lmsp_quantize_row(row.ctypes.data, d, bits, group, *(a[i].ctypes.data for a in got))
     for mine, theirs in zip(got, want):
         assert mine.tobytes() == theirs.tobytes()
+
+
+@pytest.mark.parametrize("bits", [2, 4, 8])
+@pytest.mark.parametrize("group", [32, 64, 128])
+def test_rows_read_back_by_the_passes_are_what_mx_dequantize_gives(bits, group):
+    """lmsp_dequantize_rows (the compiled prefill's reader: AVX2 for 4 and 8 bits, a bit
+    reader otherwise) against mx.dequantize, to the last bit or two of a float."""
+    lib = cpu_blas.decode_kernel()
+    rows, d = 37, 256
+    codes, scales, biases = (np.array(a) for a in mx.quantize(mx.random.normal((rows, d)), group_size=group, bits=bits))
+    got = np.empty((rows, d), np.float32)
+    lib.lmsp_dequantize_rows(codes.ctypes.data, scales.ctypes.data, biases.ctypes.data, rows, d, bits, group,
+                             got.ctypes.data)
+    want = np.array(mx.dequantize(*(mx.array(a) for a in (codes, scales, biases)), group_size=group, bits=bits))
+    assert np.allclose(got, want, rtol=1e-6, atol=1e-6)

@@ -122,6 +122,8 @@ def declare_decode(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.lmsp_decode_attention.restype = ctypes.c_int
     lib.lmsp_quantize_row.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_int] + [ctypes.c_void_p] * 3
     lib.lmsp_quantize_row.restype = None
+    lib.lmsp_dequantize_rows.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2 + [ctypes.c_int] * 2 + [ctypes.c_void_p]
+    lib.lmsp_dequantize_rows.restype = None
     return lib
 
 

@@ -6,6 +6,7 @@
 #include <string.h>
 
 #include "quant.h"
+#include "simd.h"
 
 void lmsp_quantize_row(const float *x, int64_t d, int bits, int group, uint32_t *w, float *s, float *b) {
     /* MLX's CPU quantize, step for step (divisions, not reciprocals; rintf under the default
@@ -34,8 +35,39 @@ void lmsp_quantize_row(const float *x, int64_t d, int bits, int group, uint32_t 
     }
 }
 
+#if defined(__x86_64__)
+/* lmsp_dequantize_rows for 4 and 8 bits, 32 codes at a time in their own order: the
+ * compiled prefill dequantizes a layer's whole cache per chunk, and the scalar bit reader
+ * made a 4-bit prefill 12-17% slower than a float cache's at 2K-8K tokens. */
+__attribute__((target("avx2,fma"))) static void dequantize_avx2(const uint8_t *w, const float *s, const float *b,
+                                                                int64_t rows, int64_t d, int bits, int group,
+                                                                float *out) {
+    const int64_t bytes = d * bits / 8, groups = d / group;
+    for (int64_t r = 0; r < rows; r++, w += bytes, s += groups, b += groups, out += d)
+        for (int64_t c = 0; c < d / 32; c++) {
+            const __m256 scale = _mm256_set1_ps(s[c * 32 / group]), bias = _mm256_set1_ps(b[c * 32 / group]);
+            __m128i part[4];
+            if (bits == 4) { /* byte i holds codes 2i (low nibble) and 2i + 1: interleave back */
+                const __m128i v = _mm_loadu_si128((const __m128i *)(w + c * 16)), m = _mm_set1_epi8(15);
+                const __m128i lo = _mm_and_si128(v, m), hi = _mm_and_si128(_mm_srli_epi16(v, 4), m);
+                const __m128i first = _mm_unpacklo_epi8(lo, hi), second = _mm_unpackhi_epi8(lo, hi);
+                part[0] = first, part[1] = _mm_srli_si128(first, 8), part[2] = second, part[3] = _mm_srli_si128(second, 8);
+            } else
+                for (int k = 0; k < 4; k++) part[k] = _mm_loadl_epi64((const __m128i *)(w + c * 32 + 8 * k));
+            for (int k = 0; k < 4; k++)
+                _mm256_storeu_ps(out + c * 32 + 8 * k, _mm256_fmadd_ps(widen8(part[k]), scale, bias));
+        }
+}
+#endif
+
 void lmsp_dequantize_rows(const uint32_t *w, const float *s, const float *b, int64_t rows, int64_t d, int bits,
                           int group, float *out) {
+#if defined(__x86_64__)
+    if (has_avx2() && (bits == 4 || bits == 8) && d % 32 == 0 && group % 32 == 0) {
+        dequantize_avx2((const uint8_t *)w, s, b, rows, d, bits, group, out);
+        return;
+    }
+#endif
     const int64_t words = d * bits / 32, groups = d / group;
     const uint32_t mask = (1u << bits) - 1u;
     for (int64_t r = 0; r < rows; r++, w += words, s += groups, b += groups, out += d) {
