@@ -13,8 +13,10 @@
  * The model's weights and the KV cache are MLX's own arrays (pointers to their buffers):
  * K and V for the new position are written into the cache buffer at `pos`, as mlx-lm's
  * KVCache would; the caller then advances the cache's offset. Layout of a layer's cache:
- * (n_kv_heads, capacity, head_dim), contiguous. RoPE is the non-traditional (half-split)
- * form; `cos`/`sin` hold the rotation for this position (rope_dims / 2 values).
+ * (n_kv_heads, capacity, head_dim), contiguous. A --kv-bits cache (QuantizedKVCache,
+ * model.h) gets the row quantized as mx.quantize would (quant.c), and its attention is
+ * attention.c's, split across the team. RoPE is the non-traditional (half-split) form;
+ * `cos`/`sin` hold the rotation for this position (rope_dims / 2 values).
  */
 #include <math.h>
 #include <stdint.h>
@@ -217,7 +219,7 @@ static lmsp_rows cache_rows(const uint32_t *w, const float *s, const float *b, c
 }
 
 /* The layer's attention over its quantized cache, positions 0..n-1, by this thread's share
- * of the team: (KV head, 512 positions) tasks, then the KV heads' merges. Called by every
+ * of the team: (KV head, qa->split positions) tasks, then the KV heads' merges. Called by every
  * thread of the team (work-sharing loops inside); q is scaled and reordered in qa->qs. */
 static void attend_quantized(const lmsp_model *m, const lmsp_layer *ly, const QuantizedStep *qa, int64_t n,
                              float *att) {

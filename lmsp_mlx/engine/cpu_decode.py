@@ -14,9 +14,9 @@ about to grow (MLX grows it, the next steps are fast again), sliding-window cach
 the new K/V row as `mx.quantize` does and runs attention.c's attention over the cache
 inside its own thread team (through MLX such a step ran op by op, 3x slower than a plain
 cache's). Like attention.c elsewhere, that follows LMSP_KERNELS: under `reference` or
-`off` a quantized cache's steps (and, in cpu_prefill, its prompt chunks) go through MLX. Models it does not recognise (not
-llama/qwen2 layouts, quantized or half weights, rope scaling other than plain) are left
-alone. `LMSP_CPU_DECODE=0` turns it off.
+`off` a quantized cache's steps (and, in cpu_prefill, its prompt chunks) go through MLX.
+Models it does not recognise (not llama/qwen2 layouts, quantized or half weights, rope
+scaling other than plain) are left alone. `LMSP_CPU_DECODE=0` turns it off.
 """
 
 from __future__ import annotations
@@ -37,9 +37,8 @@ from .cpu_math import FusedRoPE, _rope_tables
 log = logging.getLogger("lmsp_mlx.engine")
 
 P = ctypes.POINTER(ctypes.c_float)
-
-
 W = ctypes.POINTER(ctypes.c_uint32)
+# A quantized cache's six parts, in the order of (*cache.keys, *cache.values).
 CODES = ("key_codes", "key_scales", "key_biases", "value_codes", "value_scales", "value_biases")
 
 
