@@ -67,21 +67,27 @@ def test_decode_steps_match_mlx_across_a_cache_growth(kind, overrides):
             assert np.allclose(np.array(a[..., :n, :]), np.array(b[..., :n, :]), atol=1e-5, rtol=1e-5)
 
 
-def compiled_steps(model, monkeypatch) -> list[int]:
-    """Counts the compiled step's calls (so a test sees that it ran, not MLX in its place)."""
-    step, calls = model.decode_step, []
-    real = step.lib
+def counted(holder, function: str, monkeypatch) -> list[int]:
+    """Counts the calls `holder.lib` makes of the compiled `function` (so a test sees that
+    the compiled pass ran, not MLX in its place)."""
+    real, calls = holder.lib, []
 
     class Counting:
         def __getattr__(self, name):
             return getattr(real, name)
 
-        def lmsp_decode_step(self, *args):
-            calls.append(1)
-            return real.lmsp_decode_step(*args)
+    def call(*args):
+        calls.append(1)
+        return getattr(real, function)(*args)
 
-    monkeypatch.setattr(step, "lib", Counting())
+    counting = Counting()
+    setattr(counting, function, call)
+    monkeypatch.setattr(holder, "lib", counting)
     return calls
+
+
+def compiled_steps(model, monkeypatch) -> list[int]:
+    return counted(model.decode_step, "lmsp_decode_step", monkeypatch)
 
 
 @pytest.mark.parametrize("bits, group, heads, prompt, n", [

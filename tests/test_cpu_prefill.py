@@ -10,7 +10,7 @@ from mlx_lm.models.cache import KVCache, QuantizedKVCache, RotatingKVCache, make
 
 from lmsp_mlx import cpu_blas
 from lmsp_mlx.engine import cpu_decode, cpu_prefill
-from test_cpu_decode import compiled_steps, tiny
+from test_cpu_decode import compiled_steps, counted, tiny
 
 pytestmark = pytest.mark.skipif(cpu_blas.fused_kernels() is None, reason="the compiled BLAS shim is not built")
 
@@ -27,20 +27,7 @@ def chunks(model, prompt: list[int], sizes: list[int], cache=None):
 
 
 def compiled_chunks(model, monkeypatch) -> list[int]:
-    """Counts forward.c's calls (so a test sees that it ran, not MLX in its place)."""
-    run, calls = model.model.prefill_pass, []
-    real = run.lib
-
-    class Counting:
-        def __getattr__(self, name):
-            return getattr(real, name)
-
-        def lmsp_prefill(self, *args):
-            calls.append(1)
-            return real.lmsp_prefill(*args)
-
-    monkeypatch.setattr(run, "lib", Counting())
-    return calls
+    return counted(model.model.prefill_pass, "lmsp_prefill", monkeypatch)
 
 
 def close(a, b, tol=2e-5) -> bool:
