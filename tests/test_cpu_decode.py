@@ -21,6 +21,13 @@ from tiny_model import _config  # noqa: E402
 pytestmark = pytest.mark.skipif(cpu_blas.decode_kernel() is None, reason="the compiled decode step is not built")
 
 
+@pytest.fixture(autouse=True)
+def kernels_auto(monkeypatch):
+    """The default kernel mode, whatever the shell has: under LMSP_KERNELS=reference or off
+    the compiled passes leave quantized caches to MLX (tested where that is the point)."""
+    monkeypatch.setenv("LMSP_KERNELS", "auto")
+
+
 def tiny(kind: str, **overrides):
     """A random float32 model of an architecture the step supports, with cpu_math's swaps."""
     mx.random.seed(3)

@@ -15,6 +15,13 @@ from test_cpu_decode import compiled_steps, counted, tiny
 pytestmark = pytest.mark.skipif(cpu_blas.fused_kernels() is None, reason="the compiled BLAS shim is not built")
 
 
+@pytest.fixture(autouse=True)
+def kernels_auto(monkeypatch):
+    """The default kernel mode, whatever the shell has: under LMSP_KERNELS=reference or off
+    the compiled passes leave quantized caches to MLX (tested where that is the point)."""
+    monkeypatch.setenv("LMSP_KERNELS", "auto")
+
+
 def chunks(model, prompt: list[int], sizes: list[int], cache=None):
     """Hidden states of each chunk and the cache after running `prompt` through the model's
     body in chunks of `sizes`."""
