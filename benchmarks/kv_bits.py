@@ -38,6 +38,7 @@ from mlx_lm.models.cache import KVCache, QuantizedKVCache  # noqa: E402
 from lmsp_mlx.engine import cpu_decode  # noqa: E402
 from lmsp_mlx.engine.loader import load_model  # noqa: E402
 from lmsp_mlx.engine.model_store import DEFAULT_MODEL, default_models_dir, ensure_packaged_model  # noqa: E402
+from plots import save, tokens_axes  # noqa: E402
 
 STEPS, CHUNK, GROUP = 8, 256, 64
 # path -> (what the compiled passes see of a quantized cache, LMSP_KERNELS, quantized cache?)
@@ -106,15 +107,8 @@ def plot(rows: list[dict], title: str, out: Path) -> None:
             pts = [(r["tokens"], r["tok_s"]) for r in rows if r["phase"] == phase and r["path"] == path]
             if pts:
                 ax.plot(*zip(*pts), marker="o", label=path, color=COLORS[path])
-        ax.set_xscale("log")
-        ax.set_xlabel(unit)
-        ax.set_ylabel(f"{phase} tok/s (best)")
-        ax.set_ylim(bottom=0)
-        ax.grid(alpha=0.3)
-        ax.legend()
-    fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(out, dpi=120)
+        tokens_axes(ax, unit, f"{phase} tok/s (best)")
+    save(fig, title, out)
 
 
 def main() -> None:

@@ -27,6 +27,7 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from plots import save, tokens_axes  # noqa: E402
 from lmsp_mlx.engine.loader import load_model  # noqa: E402
 from lmsp_mlx.engine.model_store import DEFAULT_MODEL, default_models_dir, ensure_packaged_model  # noqa: E402
 
@@ -114,15 +115,8 @@ def plot(summary: list[dict], title: str, out: Path) -> None:
         for side, marker in (("direct", "o"), ("server", "s")):
             pts = [(r["prompt_tokens"], r[f"{metric}_{side}"]) for r in summary]
             ax.plot(*zip(*pts), marker=marker, label="mlx-lm direct" if side == "direct" else "lmsp-mlx server")
-        ax.set_xscale("log")
-        ax.set_xlabel("prompt tokens")
-        ax.set_ylabel(f"{metric} tok/s (median)")
-        ax.set_ylim(bottom=0)
-        ax.grid(alpha=0.3)
-        ax.legend()
-    fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(out, dpi=120)
+        tokens_axes(ax, "prompt tokens", f"{metric} tok/s (median)")
+    save(fig, title, out)
 
 
 def main() -> None:

@@ -20,6 +20,7 @@
 #include <string.h>
 
 #include "attention.h"
+#include "quant.h"
 #include "simd.h"
 
 #define SPLIT LMSP_SPLIT
@@ -30,17 +31,9 @@ typedef lmsp_rows Rows;
 /* Row p of head (batch, head) decoded to floats, in code order. */
 static void decode_row(const Rows *r, int64_t batch, int64_t head, int64_t p, int64_t d, int bits, int group,
                        float *out) {
-    const uint32_t *w = r->w + batch * r->ws[0] + head * r->ws[1] + p * r->ws[2];
-    const float *s = r->s + batch * r->ss[0] + head * r->ss[1] + p * r->ss[2];
-    const float *b = r->b + batch * r->bs[0] + head * r->bs[1] + p * r->bs[2];
-    const uint32_t mask = (1u << bits) - 1u;
-    for (int64_t i = 0; i < d; i++) {
-        const int64_t off = i * bits, word = off >> 5;
-        const int shift = off & 31;
-        uint32_t v = w[word] >> shift;
-        if (shift + bits > 32) v |= w[word + 1] << (32 - shift);
-        out[i] = s[i / group] * (float)(v & mask) + b[i / group];
-    }
+    lmsp_dequantize_rows(r->w + batch * r->ws[0] + head * r->ws[1] + p * r->ws[2],
+                         r->s + batch * r->ss[0] + head * r->ss[1] + p * r->ss[2],
+                         r->b + batch * r->bs[0] + head * r->bs[1] + p * r->bs[2], 1, d, bits, group, out);
 }
 
 static float dot(const float *a, const float *b, int64_t n) {
