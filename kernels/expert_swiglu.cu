@@ -25,6 +25,14 @@ __device__ inline float lmsp_warp_sum(float v) {
     return v;
 }
 
+// Where value i of chunk c sits in the staged x (or hidden) vector. Lane L reads chunk
+// L + 32t, so a plain layout (c * 32 + i) puts all 32 lanes' reads of value i in one bank:
+// a 32-way conflict on every read of the staged vector (8-way per 16-byte read). Swapping
+// the chunk's 16-byte blocks by c & 7 sends eight neighbouring lanes to eight different
+// blocks: 16-byte reads without conflict, 4-byte reads at most 4-way. Only the layout
+// changes, not what is summed in which order.
+__device__ inline int lmsp_staged(int c, int i) { return c * 32 + ((((i >> 2) ^ c) & 7) << 2) + (i & 3); }
+
 // --- gate_up ---
 // inputs: x (T, D), idx (T*K) uint32, gw/gs/gb and uw/us/ub (E, H, ...); output: hid (T*K, H) float
 const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
@@ -33,11 +41,11 @@ const int expert = idx[pair];
 constexpr int CHUNKS = D / 32, WORDS = D * BITS / 32, GROUPS = D / GS, TRIPS = (CHUNKS + 31) / 32;
 __shared__ float xs[D];
 __shared__ float xsum[CHUNKS];
-for (int e = threadIdx.x; e < D; e += blockDim.x) xs[e] = static_cast<float>(x[token * D + e]);
+for (int e = threadIdx.x; e < D; e += blockDim.x) xs[lmsp_staged(e >> 5, e & 31)] = static_cast<float>(x[token * D + e]);
 __syncthreads();
 for (int c = threadIdx.x; c < CHUNKS; c += blockDim.x) {
     float s = 0.0f;
-    for (int i = 0; i < 32; i++) s += xs[c * 32 + i];
+    for (int i = 0; i < 32; i++) s += xs[lmsp_staged(c, i)];
     xsum[c] = s;
 }
 __syncthreads();
@@ -51,7 +59,7 @@ for (int t = 0; t < TRIPS; t++) {
     if (c < CHUNKS) {
         float xc[32];
 #pragma unroll
-        for (int i = 0; i < 32; i++) xc[i] = xs[c * 32 + i];
+        for (int i = 0; i < 32; i++) xc[i] = xs[lmsp_staged(c, i)];
 #pragma unroll
         for (int r = 0; r < ROWS; r++) {
             const long row = long(expert) * H + min(row0 + r, H - 1);
@@ -75,11 +83,11 @@ const int expert = idx[pair];
 constexpr int CHUNKS = H / 32, WORDS = H * BITS / 32, GROUPS = H / GS, TRIPS = (CHUNKS + 31) / 32;
 __shared__ float hs[H];
 __shared__ float hsum[CHUNKS];
-for (int e = threadIdx.x; e < H; e += blockDim.x) hs[e] = hid[long(pair) * H + e];
+for (int e = threadIdx.x; e < H; e += blockDim.x) hs[lmsp_staged(e >> 5, e & 31)] = hid[long(pair) * H + e];
 __syncthreads();
 for (int c = threadIdx.x; c < CHUNKS; c += blockDim.x) {
     float s = 0.0f;
-    for (int i = 0; i < 32; i++) s += hs[c * 32 + i];
+    for (int i = 0; i < 32; i++) s += hs[lmsp_staged(c, i)];
     hsum[c] = s;
 }
 __syncthreads();
@@ -93,7 +101,7 @@ for (int t = 0; t < TRIPS; t++) {
     if (c < CHUNKS) {
         float hc[32];
 #pragma unroll
-        for (int i = 0; i < 32; i++) hc[i] = hs[c * 32 + i];
+        for (int i = 0; i < 32; i++) hc[i] = hs[lmsp_staged(c, i)];
 #pragma unroll
         for (int r = 0; r < ROWS; r++) {
             const long row = long(expert) * D + min(row0 + r, D - 1);

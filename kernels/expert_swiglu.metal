@@ -38,6 +38,15 @@ inline float lmsp_chunk_dot(W w, X x) {
     return s;
 }
 
+// Where value i of chunk c sits in the staged x (or hidden) vector. Lane L reads chunk
+// L + 32t, so a plain layout (c * 32 + i) puts all 32 lanes' reads of value i in one bank:
+// a 32-way conflict on every read of the staged vector (8-way per 16-byte read). Swapping
+// the chunk's 16-byte blocks by c & 7 sends eight neighbouring lanes to eight different
+// blocks: 16-byte reads without conflict, 4-byte reads at most 4-way. (Those are NVIDIA's
+// 32 four-byte banks, which the CUDA twin shares; Apple does not publish its banking.)
+// Only the layout changes, not what is summed in which order.
+inline int lmsp_staged(int c, int i) { return c * 32 + ((((i >> 2) ^ c) & 7) << 2) + (i & 3); }
+
 // --- gate_up ---
 // inputs: x (T, D), idx (T*K) uint32, gw/gs/gb and uw/us/ub (E, H, ...); output: hid (T*K, H) float
 const uint lane = thread_index_in_simdgroup, warp = simdgroup_index_in_threadgroup;
@@ -46,11 +55,11 @@ const int expert = idx[pair];
 constexpr int CHUNKS = D / 32, WORDS = D * BITS / 32, GROUPS = D / GS, TRIPS = (CHUNKS + 31) / 32;
 threadgroup float xs[D];
 threadgroup float xsum[CHUNKS];
-for (int e = thread_index_in_threadgroup; e < D; e += threads_per_threadgroup.x) xs[e] = float(x[token * D + e]);
+for (int e = thread_index_in_threadgroup; e < D; e += threads_per_threadgroup.x) xs[lmsp_staged(e >> 5, e & 31)] = float(x[token * D + e]);
 threadgroup_barrier(mem_flags::mem_threadgroup);
 for (int c = thread_index_in_threadgroup; c < CHUNKS; c += threads_per_threadgroup.x) {
     float s = 0.0f;
-    for (int i = 0; i < 32; i++) s += xs[c * 32 + i];
+    for (int i = 0; i < 32; i++) s += xs[lmsp_staged(c, i)];
     xsum[c] = s;
 }
 threadgroup_barrier(mem_flags::mem_threadgroup);
@@ -61,7 +70,7 @@ for (int t = 0; t < TRIPS; t++) {
     const int c = int(lane) + 32 * t;
     if (c < CHUNKS) {
         float xc[32];
-        for (int i = 0; i < 32; i++) xc[i] = xs[c * 32 + i];
+        for (int i = 0; i < 32; i++) xc[i] = xs[lmsp_staged(c, i)];
         for (int r = 0; r < ROWS; r++) {
             const long row = long(expert) * H + min(row0 + r, H - 1);
             const long q = row * GROUPS + c * 32 / GS;
@@ -83,11 +92,11 @@ const int expert = idx[pair];
 constexpr int CHUNKS = H / 32, WORDS = H * BITS / 32, GROUPS = H / GS, TRIPS = (CHUNKS + 31) / 32;
 threadgroup float hs[H];
 threadgroup float hsum[CHUNKS];
-for (int e = thread_index_in_threadgroup; e < H; e += threads_per_threadgroup.x) hs[e] = hid[long(pair) * H + e];
+for (int e = thread_index_in_threadgroup; e < H; e += threads_per_threadgroup.x) hs[lmsp_staged(e >> 5, e & 31)] = hid[long(pair) * H + e];
 threadgroup_barrier(mem_flags::mem_threadgroup);
 for (int c = thread_index_in_threadgroup; c < CHUNKS; c += threads_per_threadgroup.x) {
     float s = 0.0f;
-    for (int i = 0; i < 32; i++) s += hs[c * 32 + i];
+    for (int i = 0; i < 32; i++) s += hs[lmsp_staged(c, i)];
     hsum[c] = s;
 }
 threadgroup_barrier(mem_flags::mem_threadgroup);
@@ -98,7 +107,7 @@ for (int t = 0; t < TRIPS; t++) {
     const int c = int(lane) + 32 * t;
     if (c < CHUNKS) {
         float hc[32];
-        for (int i = 0; i < 32; i++) hc[i] = hs[c * 32 + i];
+        for (int i = 0; i < 32; i++) hc[i] = hs[lmsp_staged(c, i)];
         for (int r = 0; r < ROWS; r++) {
             const long row = long(expert) * D + min(row0 + r, D - 1);
             const long q = row * GROUPS + c * 32 / GS;

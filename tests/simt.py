@@ -19,14 +19,23 @@ C++ feature in them fails here; CUDA bodies as C++17, as MLX's NVRTC builds take
 What this cannot check: address spaces, memory ordering beyond the barriers, half and
 bfloat16 arithmetic (float only here), the GPUs' exp and fused multiply-adds, and
 performance. It checks the indexing, the synchronisation structure and the math.
+
+One property of performance it can check: the bank pattern of threadgroup / shared memory.
+With `trace=True` every access to a threadgroup array is logged (array, barrier interval,
+source line, index), and `Trace.worst` replays the log as the GPU serves it: one execution
+of a line by the lanes of a simdgroup / warp is one request, and lanes that hit one bank
+of 32 four-byte banks at different addresses are served one after another. This is the
+bank model of NVIDIA GPUs; Apple does not publish its GPUs' threadgroup-memory banking.
 """
 
 from __future__ import annotations
 
 import ctypes
 import hashlib
+import re
 import subprocess
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -43,6 +52,7 @@ PRELUDE = r"""
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <map>
 #include <mutex>
 #include <thread>
 #include <vector>
@@ -72,6 +82,24 @@ struct Group {
 };
 thread_local Group* tl_group;
 thread_local uint3 tl_tid, tl_gid, tl_ntg, tl_tpg;
+// Tracing (run(trace=True)): a thread's accesses to its group's threadgroup arrays, in
+// program order, with the barrier interval they fall in.
+struct Access { int array, epoch, line, index; };
+thread_local std::vector<Access>* tl_trace = nullptr;
+thread_local int tl_epoch = 0;
+// `xs[i]` in a traced body reads `xs(__LINE__)[i]`: the access knows its source line.
+template <int N> struct Logged {
+    int id; float v[N];
+    struct Ref {
+        Logged* t; int line, i;
+        operator float() const { t->note(line, i); return t->v[i]; }
+        Ref& operator=(float x) { t->note(line, i); t->v[i] = x; return *this; }
+        Ref& operator=(const Ref& r) { return *this = float(r); }
+    };
+    struct At { Logged* t; int line; Ref operator[](int i) const { return {t, line, i}; } };
+    void note(int line, int i) { if (tl_trace) tl_trace->push_back({id, tl_epoch, line, i}); }
+    At operator()(int line) { return {this, line}; }
+};
 static inline Warp& tl_warp() { return *tl_group->warps[tl_tid.x / 32]; }
 static inline float lane_exchange(float v, int from) {
     Warp& w = tl_warp();
@@ -93,7 +121,7 @@ static inline float warp_total(float v) {
 #define constant
 #define threadgroup static
 namespace mem_flags { constexpr int mem_threadgroup = 0; }
-static inline void threadgroup_barrier(int) { tl_group->bar.wait(); }
+static inline void threadgroup_barrier(int) { tl_group->bar.wait(); tl_epoch++; }
 namespace metal { using std::exp; }
 template <typename T, typename U> static inline T as_type(U u) {
     static_assert(sizeof(T) == sizeof(U), "as_type: same size");
@@ -115,7 +143,7 @@ static inline float simd_shuffle(float v, ushort from) { return lane_exchange(v,
 #define __shared__ static
 #define __grid_constant__
 namespace cuda { namespace std { using ::std::numeric_limits; } }
-static inline void __syncthreads() { tl_group->bar.wait(); }
+static inline void __syncthreads() { tl_group->bar.wait(); tl_epoch++; }
 static inline float __shfl_xor_sync(unsigned, float v, int o) { return lane_exchange(v, (tl_tid.x % 32) ^ o); }
 static inline float __shfl_sync(unsigned, float v, int from) { return lane_exchange(v, from); }
 #define __expf(x) std::exp(x)  // a macro: glibc declares an __expf of its own
@@ -135,14 +163,73 @@ def _array(kind: str, values) -> str:
     return "{" + ", ".join(str(int(v)) for v in values) + "}"
 
 
+@dataclass
+class Trace:
+    """Every access a run made to its threadgroup arrays: `log` rows are (threadgroup,
+    thread, array, barrier interval, source line, j: the line's j-th execution by the
+    thread in the interval, index), `names` the arrays in declaration order."""
+
+    names: list[str]
+    log: np.ndarray
+
+    def worst(self, width: int = 4) -> dict[str, int]:
+        """Per array, the most passes any one request needed: 1 is conflict-free.
+
+        width=4: 4-byte accesses, 32 banks; a request is the j-th execution of one source
+        line by the lanes of a warp in one barrier interval (lanes that skip it are
+        inactive), and lanes at different addresses in one bank are served one after
+        another (the same address is a broadcast).
+        width=16: the same requests as 16-byte accesses (the 4-byte accesses of one
+        aligned block merged, as nvcc merges unrolled neighbouring reads into LDS.128):
+        served a quarter-warp (8 lanes) a pass, 8 four-bank slots."""
+        requests: dict[tuple, dict[int, set]] = {}
+        for group, thread, array, epoch, line, j, index in self.log.tolist():
+            unit = index if width == 4 else index // 4
+            lanes = 0 if width == 4 else (thread % 32) // 8  # which lanes are served together
+            key = (group, thread // 32, epoch, line, j, lanes)
+            slot = unit % 32 if width == 4 else unit % 8
+            requests.setdefault(key, {}).setdefault(slot, set()).add((array, unit))
+        worst: dict[str, int] = {}
+        for key, slots in requests.items():
+            arrays = {array for units in slots.values() for array, _ in units}
+            passes = max(len(units) for units in slots.values())
+            for array in arrays:
+                worst[self.names[array]] = max(worst.get(self.names[array], 0), passes)
+        return worst
+
+
+_SHARED = re.compile(r"^(\s*)(?:__shared__|threadgroup) float (.+);$", re.M)
+
+
+def _logged(body: str) -> tuple[str, list[str]]:
+    """The body with its threadgroup float arrays replaced by logged ones."""
+    names: list[str] = []
+
+    def one(match: re.Match) -> str:
+        decls = []
+        for name, size in re.findall(r"(\w+)\[([^\]]+)\]", match.group(2)):
+            decls.append(f"static Logged<({size})> {name}{{{len(names)}}};")
+            names.append(name)
+        return match.group(1) + " ".join(decls)
+
+    body = _SHARED.sub(one, body)
+    for name in names:
+        body = re.sub(rf"\b{name}\[", f"{name}(__LINE__)[", body)
+    return body, names
+
+
 def run(stem: str, section: str, dialect: str, inputs: dict[str, np.ndarray], outputs: dict[str, tuple],
-        template: dict[str, int | str], grid: tuple[int, int, int], threads: int) -> dict[str, np.ndarray]:
+        template: dict[str, int | str], grid: tuple[int, int, int], threads: int,
+        trace: bool = False) -> dict[str, np.ndarray] | tuple[dict[str, np.ndarray], Trace]:
     """Run section `section` of `stem`.`dialect` ('metal' or 'cu') over `grid` threadgroups
     of `threads` threads. `inputs` are float32/uint32/int32 numpy arrays, views included
     (the kernel gets their strides in elements, as MLX passes a view's); `outputs` maps a
-    name to its shape (float32)."""
+    name to its shape (float32). With `trace`, also the run's threadgroup-memory accesses."""
     src = sections(f"{stem}.{dialect}")
     body = src[section]
+    names: list[str] = []
+    if trace:
+        body, names = _logged(body)
     params, args, lines = [], [], []
     for i, (name, a) in enumerate(inputs.items()):
         ctype = CTYPES[a.dtype.type]
@@ -169,14 +256,28 @@ def run(stem: str, section: str, dialect: str, inputs: dict[str, np.ndarray], ou
     dialect_prelude = "#define half float\n" if dialect == "metal" else ""
     code = (PRELUDE + dialect_prelude + src.get("header", "") + "\n" + "\n".join(lines)
             + f"\nstatic void kernel_body({', '.join(params)}) {{\n{consts}{body}\n}}\n"
-            + f"""extern "C" int launch(void** in, void** out, unsigned gx, unsigned gy, unsigned gz, unsigned n) {{
+            + f"""static std::vector<int> trace_log;
+static std::mutex trace_lock;
+extern "C" long trace_size() {{ return long(trace_log.size()); }}
+extern "C" void trace_copy(int* to) {{ std::memcpy(to, trace_log.data(), trace_log.size() * sizeof(int)); }}
+extern "C" int launch(void** in, void** out, unsigned gx, unsigned gy, unsigned gz, unsigned n) {{
     stuck = false;
+    trace_log.clear();
     for (unsigned z = 0; z < gz; z++) for (unsigned y = 0; y < gy; y++) for (unsigned x = 0; x < gx; x++) {{
         Group group(n);
         std::vector<Thread> pool;
+        const int g = int((z * gy + y) * gx + x);
         for (unsigned t = 0; t < n; t++) pool.emplace_back([&, t] {{
             tl_group = &group; tl_tid = {{t, 0, 0}}; tl_gid = {{x, y, z}}; tl_ntg = {{gx, gy, gz}}; tl_tpg = {{n, 1, 1}};
+            std::vector<Access> mine;
+            tl_trace = &mine; tl_epoch = 0;
             kernel_body({', '.join(args)});
+            std::lock_guard<std::mutex> hold(trace_lock);
+            std::map<std::pair<int, int>, int> seen;  // (interval, line): executions so far
+            for (const Access& a : mine) {{
+                const int j = seen[{{a.epoch, a.line}}]++;
+                trace_log.insert(trace_log.end(), {{g, int(t), a.array, a.epoch, a.line, j, a.index}});
+            }}
         }});
         for (auto& th : pool) th.join();
         if (stuck) return 1;
@@ -191,7 +292,11 @@ def run(stem: str, section: str, dialect: str, inputs: dict[str, np.ndarray], ou
     outs = (ctypes.c_void_p * len(results))(*[a.ctypes.data for a in results.values()])
     if lib.launch(ins, outs, *grid, threads):
         raise RuntimeError("the kernel's threads did not all reach a barrier or simd operation together")
-    return results
+    if not trace:
+        return results
+    log = np.zeros(lib.trace_size(), np.int32)
+    lib.trace_copy(log.ctypes.data)
+    return results, Trace(names, log.reshape(-1, 7))
 
 
 _built: dict[str, ctypes.CDLL] = {}
@@ -209,5 +314,7 @@ def _build(code: str, std: str) -> ctypes.CDLL:
         lib = ctypes.CDLL(str(out))
         lib.launch.argtypes = [ctypes.c_void_p, ctypes.c_void_p] + [ctypes.c_uint] * 4
         lib.launch.restype = ctypes.c_int
+        lib.trace_size.restype = ctypes.c_long
+        lib.trace_copy.argtypes = [ctypes.c_void_p]
         _built[key] = lib
     return _built[key]
