@@ -44,8 +44,8 @@ CONTEXTS = (8192, 16384, 32768)
 SPREAD = 256 << 20  # bytes one graph's calls read in all: five times the H200's L2
 # (bits, WARPS, BATCH, CHUNK): the default first, then kernel_sweep.py's runners-up
 ATTENTION = [(4, 4, 4, 256), (8, 4, 4, 256), (4, 8, 4, 512), (4, 4, 8, 512), (4, 4, 2, 256)]
-# (bits, WARPS, ROWS)
-EXPERT = [(4, 4, 4), (2, 4, 4), (4, 4, 2), (4, 2, 8)]
+# (bits, WARPS, ROWS, SLICE): SLICE 0 is the two launches (gate_up, down), else the fused one
+EXPERT = [(4, 4, 4, 0), (2, 4, 4, 0), (4, 4, 2, 0), (4, 2, 8, 0), (4, 8, 4, 32), (2, 8, 4, 32), (4, 8, 4, 64)]
 HALF, U32 = "__half", "uint32_t"
 
 COMMON = r"""
@@ -258,25 +258,40 @@ int main() {{
 """
 
 
-def expert_program(bits: int, warps: int, rows: int) -> str:
-    tag = f"b{bits}_w{warps}_r{rows}"
+def expert_program(bits: int, warps: int, rows: int, slice_: int = 0) -> str:
+    """Times one launch shape: the two launches, or (slice_ > 0) the fused one, which, as
+    under MLX's init_value, zeroes its outputs in the same graph before each launch."""
+    tag = f"b{bits}_w{warps}_r{rows}_s{slice_}"
     common = [("S", HALF), ("D", HIDDEN), ("H", EXPERT_HIDDEN), ("BITS", bits), ("GS", GROUP), ("WARPS", warps),
               ("ROWS", rows)]
-    gate_up = kernel("expert_swiglu", "gate_up",
-                     [("x", HALF), ("idx", U32), ("gw", U32), ("gs", HALF), ("gb", HALF), ("uw", U32), ("us", HALF),
-                      ("ub", HALF)], [("hid", "float")], [*common, ("X", HALF), ("K", TOP_K)], name=f"gate_up_{tag}")
-    down = kernel("expert_swiglu", "down", [("hid", "float"), ("idx", U32), ("dw", U32), ("ds", HALF), ("db", HALF)],
-                  [("y", HALF)], [*common, ("Y", HALF)], name=f"down_{tag}")
-    per_group = warps * rows
-    launch_gate_up = call(f"mlx::core::cu::gate_up_{tag}", f"dim3({-(-EXPERT_HIDDEN // per_group)}, K)",
-                          f"dim3({32 * warps})", ["x", "idx", "gw", "gs", "gb", "uw", "us", "ub"], ["hid"],
-                          "expert_swiglu", "gate_up")
-    launch_down = call(f"mlx::core::cu::down_{tag}", f"dim3({-(-HIDDEN // per_group)}, K)", f"dim3({32 * warps})",
-                       ["hid", "idx", "dw", "ds", "db"], ["y"], "expert_swiglu", "down")
+    inputs = [("x", HALF), ("idx", U32), ("gw", U32), ("gs", HALF), ("gb", HALF), ("uw", U32), ("us", HALF),
+              ("ub", HALF)]
+    if slice_:
+        kernels = kernel("expert_swiglu", "fused", inputs + [("dw", U32), ("ds", HALF), ("db", HALF)],
+                         [("y", HALF), ("scratch", "float")],
+                         [*common, ("SLICE", slice_), ("X", HALF), ("Y", HALF), ("K", TOP_K)], name=f"fused_{tag}")
+        scratch = f"size_t(K) * {EXPERT_HIDDEN // slice_ * HIDDEN + 1}"
+        launches = (f"CHECK(cudaMemsetAsync(y, 0, size_t(K) * D * 2, s)); "
+                    f"CHECK(cudaMemsetAsync(scratch, 0, {scratch} * 4, s));\n        "
+                    + call(f"mlx::core::cu::fused_{tag}", f"dim3({EXPERT_HIDDEN // slice_}, K)", f"dim3({32 * warps})",
+                           [n for n, _ in inputs] + ["dw", "ds", "db"], ["y", "scratch"], "expert_swiglu", "fused"))
+    else:
+        gate_up = kernel("expert_swiglu", "gate_up", inputs, [("hid", "float")], [*common, ("X", HALF), ("K", TOP_K)],
+                         name=f"gate_up_{tag}")
+        down = kernel("expert_swiglu", "down", [("hid", "float"), ("idx", U32), ("dw", U32), ("ds", HALF), ("db", HALF)],
+                      [("y", HALF)], [*common, ("Y", HALF)], name=f"down_{tag}")
+        kernels = gate_up + down
+        scratch = "1"
+        per_group = warps * rows
+        launches = (call(f"mlx::core::cu::gate_up_{tag}", f"dim3({-(-EXPERT_HIDDEN // per_group)}, K)",
+                         f"dim3({32 * warps})", [n for n, _ in inputs], ["hid"], "expert_swiglu", "gate_up")
+                    + "\n        " +
+                    call(f"mlx::core::cu::down_{tag}", f"dim3({-(-HIDDEN // per_group)}, K)", f"dim3({32 * warps})",
+                         ["hid", "idx", "dw", "ds", "db"], ["y"], "expert_swiglu", "down"))
+    config = f"fused SLICE={slice_} WARPS={warps} ROWS={rows}" if slice_ else f"WARPS={warps} ROWS={rows}"
     return f"""{STAND_IN}{COMMON}
 {sections('expert_swiglu.cu')['header']}
-{gate_up}
-{down}
+{kernels}
 int main() {{
     const int D = {HIDDEN}, H = {EXPERT_HIDDEN}, E = {EXPERTS}, K = {TOP_K}, BITS = {bits}, GS = {GROUP};
     cudaStream_t s; CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
@@ -293,14 +308,14 @@ int main() {{
     uint32_t* idx_all; CHECK(cudaMalloc(&idx_all, picks.size() * 4));
     CHECK(cudaMemcpy(idx_all, picks.data(), picks.size() * 4, cudaMemcpyHostToDevice));
     __half* x_all = half_buffer(size_t(calls) * D, -1.0f, 1.0f, 10);
-    float* hid; __half* y;
+    float *hid, *scratch; __half* y;
     CHECK(cudaMalloc(&hid, size_t(K) * H * 4)); CHECK(cudaMalloc(&y, size_t(K) * D * 2));
+    CHECK(cudaMalloc(&scratch, {scratch} * 4));
     CHECK(cudaDeviceSynchronize());  // the fills ran on the legacy stream; `s` does not wait for it
     auto one = [&](int c) {{
         const __half* x = x_all + size_t(c) * D;
         const uint32_t* idx = idx_all + size_t(c) * K;
-        {launch_gate_up}
-        {launch_down}
+        {launches}
     }};
     CHECK(cudaMemset(y, 0xff, size_t(K) * D * 2));
     CHECK(cudaDeviceSynchronize());
@@ -332,7 +347,7 @@ int main() {{
     // The bytes one call must read: its 8 experts' packed rows, scales and biases.
     const size_t bytes = size_t(K) * ((in_words * 2 + down_words) * 4 + (in_groups * 2 + down_groups) * 2 * 2) / E;
     double us_ = graph_us(s, [&] {{ for (int c = 0; c < calls; c++) one(c); }}) / calls;
-    printf("CSV,expert,WARPS=%d ROWS=%d,0,%d,%.3f,%zu,%.3g\\n", {warps}, {rows}, BITS, us_, bytes, err / ref);
+    printf("CSV,expert,{config},0,%d,%.3f,%zu,%.3g\\n", BITS, us_, bytes, err / ref);
     return 0;
 }}
 """
@@ -342,8 +357,8 @@ def programs() -> dict[str, str]:
     out = {"bandwidth": f"{STAND_IN}{COMMON}{BANDWIDTH_MAIN}"}
     for bits, warps, batch, chunk in ATTENTION:
         out[f"attention_b{bits}_w{warps}_t{batch}_c{chunk}"] = attention_program(bits, warps, batch, chunk)
-    for bits, warps, rows in EXPERT:
-        out[f"expert_b{bits}_w{warps}_r{rows}"] = expert_program(bits, warps, rows)
+    for bits, warps, rows, slice_ in EXPERT:
+        out[f"expert_b{bits}_w{warps}_r{rows}_s{slice_}"] = expert_program(bits, warps, rows, slice_)
     return out
 
 

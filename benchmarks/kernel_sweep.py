@@ -1,4 +1,4 @@
-"""The kernels' launch shapes, swept on a GPU: which WARPS / BATCH / CHUNK and WARPS / ROWS to keep.
+"""The kernels' launch shapes, swept on a GPU: which WARPS / BATCH / CHUNK, WARPS / ROWS and SLICE to keep.
 
     python benchmarks/kernel_sweep.py [--chain 16] [--out benchmarks/results]
 
@@ -8,6 +8,7 @@ benchmark's decode shapes (16K positions of 4-bit KV, 32/4 heads of 128; one tok
 of 128 4-bit experts of 2048/768), each as a chain of calls in one evaluation on inputs
 spread past the GPU's cache (as benchmarks/kernels.py does), and checks each candidate's
 output against the reference, so a candidate that is fast but wrong shows as wrong.
+The experts are swept in both launches: two (gate_up, down) and, under CUDA, the fused one.
 Writes kernel_sweep.csv. The CPU build has no kernels: there it says so and stops.
 """
 
@@ -32,7 +33,8 @@ from lmsp_mlx.kernels.dispatch import close  # noqa: E402
 from lmsp_mlx.kernels.quantized import QuantizedExperts  # noqa: E402
 
 ATTENTION = [(w, b, c) for w, b in ((4, 1), (4, 2), (4, 4), (4, 8), (2, 4), (8, 2), (8, 4)) for c in (128, 256, 512)]
-EXPERT = [(4, 4), (4, 2), (4, 1), (8, 2), (8, 1), (2, 4), (2, 8)]
+EXPERT = [(4, 4), (4, 2), (4, 1), (8, 2), (8, 1), (2, 4), (2, 8)]  # two launches: WARPS, ROWS
+FUSED = [(32, 8, 4), (32, 4, 4), (32, 4, 8), (64, 8, 4), (64, 8, 8), (64, 4, 4)]  # one launch: SLICE, WARPS, ROWS
 CONTEXT, BITS = 16384, 4
 
 
@@ -88,11 +90,20 @@ def sweep_experts(chain: int, bandwidth: float) -> list[dict]:
     mx.eval(parts, x0, picks)
     want = reference.expert_swiglu(x0, picks[0], *parts)
     bound = TOP_K * sum(nbytes(p.weight[0], p.scales[0], p.biases[0]) for p in parts) / bandwidth
-    defaults = experts.WARPS, experts.ROWS
+    defaults = experts.FUSED, experts.WARPS, experts.ROWS, experts.SLICE, experts.FUSED_WARPS, experts.FUSED_ROWS
+    candidates = [(False, None, warps, per) for warps, per in EXPERT]
+    if kernels.backend() == "cuda":
+        candidates += [(True, slice_, warps, per) for slice_, warps, per in FUSED]
     rows = []
-    for warps, per in EXPERT:
-        experts.WARPS, experts.ROWS = warps, per
-        row = {"kernel": "expert", "config": f"WARPS={warps} ROWS={per}"}
+    for fused, slice_, warps, per in candidates:
+        experts.FUSED = fused
+        if fused:
+            experts.SLICE, experts.FUSED_WARPS, experts.FUSED_ROWS = slice_, warps, per
+            config = f"fused SLICE={slice_} WARPS={warps} ROWS={per}"
+        else:
+            experts.WARPS, experts.ROWS = warps, per
+            config = f"WARPS={warps} ROWS={per}"
+        row = {"kernel": "expert", "config": config}
         try:
             right = close(experts.kernel(x0, picks[0], *parts), want, 2e-2)
             t = timed(lambda i, x: mx.fast.rms_norm(
@@ -102,7 +113,7 @@ def sweep_experts(chain: int, bandwidth: float) -> list[dict]:
             row |= {"us": None, "of_bound": None, "agrees": f"failed: {str(exc).splitlines()[0][:120]}"}
         rows.append(row)
         print(row, flush=True)
-    experts.WARPS, experts.ROWS = defaults
+    experts.FUSED, experts.WARPS, experts.ROWS, experts.SLICE, experts.FUSED_WARPS, experts.FUSED_ROWS = defaults
     return rows
 
 

@@ -1,6 +1,6 @@
 // The SwiGLU MLP of each token's top-k experts, quantized weights, for mx.fast.cuda_kernel.
 // Twin of expert_swiglu.metal (same two kernels, same names, the same 32-code chunks; see
-// its comment).
+// its comment), plus `fused`, both in one launch for decode, at the end.
 
 // --- header ---
 template <int BITS, typename W, typename X>
@@ -114,4 +114,111 @@ for (int t = 0; t < TRIPS; t++) {
 for (int r = 0; r < ROWS; r++) {
     const float s = lmsp_warp_sum(acc[r]);
     if (lane == 0 && row0 + r < D) y[long(pair) * D + row0 + r] = static_cast<Y>(s);
+}
+
+// --- fused ---
+// One launch for decode (CUDA only): one block per (token-expert pair, slice of SLICE hidden
+// rows). The block computes its slice of silu(gate) * up into shared memory, multiplies it
+// by the same slice of every down row (SLICE / 32 chunks a row) and writes that partial
+// output, float, to `scratch`; the pair's last block to finish (a counter per pair after
+// the partials, zeroed with them by the launch's init_value) sums the pair's partials in
+// slice order, so the result does not depend on which block finished last, and writes y.
+// The hidden vector never leaves the block, and there is one kernel to launch instead of
+// two: on the H200 MLX's cost per operation, not the kernels, made most of a call.
+// inputs: x, idx, gate/up (as gate_up), dw/ds/db (as down); outputs: y (T*K, D),
+// scratch (T*K * SLICES * D floats, then T*K counters)
+static_assert(SLICE % 32 == 0 && H % SLICE == 0 && SLICE % (WARPS * ROWS) == 0, "SLICE: whole chunks, whole rounds");
+constexpr int SLICES = H / SLICE, PER = SLICE / 32;
+const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+const int slice = blockIdx.x, pair = blockIdx.y, pairs = gridDim.y, token = pair / K;
+const int expert = idx[pair];
+constexpr int CHUNKS = D / 32, WORDS = D * BITS / 32, GROUPS = D / GS, TRIPS = (CHUNKS + 31) / 32;
+constexpr int H_WORDS = H * BITS / 32, H_GROUPS = H / GS;
+__shared__ float xs[D];
+__shared__ float xsum[CHUNKS];
+__shared__ float hsl[SLICE];
+__shared__ bool last;
+for (int e = threadIdx.x; e < D; e += blockDim.x) xs[lmsp_staged(e >> 5, e & 31)] = static_cast<float>(x[token * D + e]);
+__syncthreads();
+for (int c = threadIdx.x; c < CHUNKS; c += blockDim.x) {
+    float s = 0.0f;
+    for (int i = 0; i < 32; i++) s += xs[lmsp_staged(c, i)];
+    xsum[c] = s;
+}
+__syncthreads();
+// The slice's gate and up rows, ROWS a warp at a time, as gate_up computes them.
+for (int r0 = warp * ROWS; r0 < SLICE; r0 += WARPS * ROWS) {
+    float g[ROWS], u[ROWS];
+#pragma unroll
+    for (int r = 0; r < ROWS; r++) g[r] = u[r] = 0.0f;
+#pragma unroll
+    for (int t = 0; t < TRIPS; t++) {
+        const int c = lane + 32 * t;
+        if (c < CHUNKS) {
+            float xc[32];
+#pragma unroll
+            for (int i = 0; i < 32; i++) xc[i] = xs[lmsp_staged(c, i)];
+#pragma unroll
+            for (int r = 0; r < ROWS; r++) {
+                const long row = long(expert) * H + slice * SLICE + r0 + r;
+                const long q = row * GROUPS + c * 32 / GS;
+                g[r] += static_cast<float>(gs[q]) * lmsp_chunk_dot<BITS>(gw + row * WORDS + c * BITS, xc) + static_cast<float>(gb[q]) * xsum[c];
+                u[r] += static_cast<float>(us[q]) * lmsp_chunk_dot<BITS>(uw + row * WORDS + c * BITS, xc) + static_cast<float>(ub[q]) * xsum[c];
+            }
+        }
+    }
+#pragma unroll
+    for (int r = 0; r < ROWS; r++) {
+        const float gr = lmsp_warp_sum(g[r]), ur = lmsp_warp_sum(u[r]);
+        if (lane == 0) hsl[r0 + r] = gr / (1.0f + __expf(-gr)) * ur;
+    }
+}
+__syncthreads();
+// Every down row's slice against it: a thread a row, all threads reading the same hidden
+// values (a broadcast), consecutive threads on consecutive rows.
+float hc[PER][32], hsum[PER];
+#pragma unroll
+for (int p = 0; p < PER; p++) {
+    hsum[p] = 0.0f;
+#pragma unroll
+    for (int i = 0; i < 32; i++) {
+        hc[p][i] = hsl[p * 32 + i];
+        hsum[p] += hc[p][i];
+    }
+}
+// A thread's rows are a compile-time count, unrolled 8 at a time, so the loads of 8 rows
+// are in flight together rather than one row's at a time.
+constexpr int THREADS = 32 * WARPS, MINE = (D + THREADS - 1) / THREADS;
+float* partial = scratch + (long(pair) * SLICES + slice) * D;
+#pragma unroll 8
+for (int j = 0; j < MINE; j++) {
+    const int d = threadIdx.x + j * THREADS;
+    const long row = long(expert) * D + min(d, D - 1);
+    float acc = 0.0f;
+#pragma unroll
+    for (int p = 0; p < PER; p++) {
+        const int c = slice * PER + p;
+        const long q = row * H_GROUPS + c * 32 / GS;
+        acc += static_cast<float>(ds[q]) * lmsp_chunk_dot<BITS>(dw + row * H_WORDS + c * BITS, hc[p]) + static_cast<float>(db[q]) * hsum[p];
+    }
+    if (d < D) partial[d] = acc;
+}
+// The last block of the pair: its partials, and every other block's, are in memory before
+// the counter says so (each thread fences its own writes, then one thread counts).
+__threadfence();
+__syncthreads();
+if (threadIdx.x == 0) {
+    unsigned int* counters = reinterpret_cast<unsigned int*>(scratch + long(pairs) * SLICES * D);
+    last = atomicAdd(counters + pair, 1u) == SLICES - 1;
+}
+__syncthreads();
+if (last) {
+    __threadfence();
+    const float* mine = scratch + long(pair) * SLICES * D;
+    for (int d = threadIdx.x; d < D; d += THREADS) {
+        float s = 0.0f;
+#pragma unroll
+        for (int k = 0; k < SLICES; k++) s += __ldcg(mine + long(k) * D + d);  // past L1: other SMs wrote these
+        y[long(pair) * D + d] = static_cast<Y>(s);
+    }
 }

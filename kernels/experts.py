@@ -5,7 +5,10 @@ QuantizedSwitchLinear projections: x (..., D), indices (..., K) -> (..., K, D).
 
 The kernel is two launches (expert_swiglu.metal / .cu): gate_up reads each selected
 expert's gate and up rows once against x and writes silu(gate) * up, and down reads the
-down rows against that. Only the chosen experts' rows are read. Shapes it does not take
+down rows against that. Under CUDA, decode-sized calls (up to FUSED_PAIRS token-expert
+pairs) take one launch instead, `fused`, whose blocks each own a slice of the hidden
+rows and the pair's last block sums their partial outputs. Only the chosen experts' rows
+are read. Shapes it does not take
 (mixed bit widths, a width or group size MLX's affine mode has that these do not, dims
 above MAX_DIM) go to MLX's built-in path (the dispatch's `builtin`).
 """
@@ -24,6 +27,12 @@ from .sources import kernel as build
 WARPS = 4  # simdgroups per threadgroup
 ROWS = 4  # output rows per simdgroup
 MAX_DIM = 7168  # x or the hidden vector staged in threadgroup memory (28 KB of Metal's 32)
+# The fused launch (CUDA): hidden rows a block owns, its warps, and the most pairs it takes
+# (its scratch holds a float partial output per pair and slice: 32 pairs of a 30B-A3B
+# layer are 6 MB). Metal keeps two launches: its custom kernels make every output atomic
+# or none, and the output here is half or bfloat16.
+FUSED = True
+SLICE, FUSED_WARPS, FUSED_ROWS, FUSED_PAIRS = 32, 8, 4, 32
 
 
 def _fits(x: mx.array, indices: mx.array, gate: QuantizedExperts, up: QuantizedExperts, down: QuantizedExperts) -> bool:
@@ -45,6 +54,8 @@ def kernel(x: mx.array, indices: mx.array, gate: QuantizedExperts, up: Quantized
     tokens = math.prod(lead)
     pairs = tokens * k
     flat = indices.reshape(pairs).astype(mx.uint32)
+    if _fused(pairs, h):
+        return fused(x.reshape(tokens, d), flat, k, gate, up, down).reshape(*lead, k, d)
     per_group = WARPS * ROWS  # rows a threadgroup computes
     # S, X and Y name the input and output dtypes even where the body does not use them:
     # MLX's CUDA backend tells compiled kernels apart by name and template args only.
@@ -71,9 +82,34 @@ def kernel(x: mx.array, indices: mx.array, gate: QuantizedExperts, up: Quantized
     return y.reshape(*lead, k, d)
 
 
+def _fused(pairs: int, h: int) -> bool:
+    return FUSED and backend() == "cuda" and pairs <= FUSED_PAIRS and h % SLICE == 0
+
+
+def fused(x: mx.array, flat: mx.array, k: int, gate: QuantizedExperts, up: QuantizedExperts,
+          down: QuantizedExperts) -> mx.array:
+    """The one-launch kernel (CUDA): x (tokens, D), flat (tokens * k) -> (tokens * k, D)."""
+    d, h, pairs, slices = x.shape[-1], gate.output_dims, flat.size, gate.output_dims // SLICE
+    run = build("cuda", "expert_swiglu", "fused",
+                ("x", "idx", "gw", "gs", "gb", "uw", "us", "ub", "dw", "ds", "db"), ("y", "scratch"))
+    y, _ = run(
+        inputs=[x, flat, *gate[:3], *up[:3], *down[:3]],
+        template=[("S", gate.scales.dtype), ("D", d), ("H", h), ("BITS", gate.bits), ("GS", gate.group_size),
+                  ("WARPS", FUSED_WARPS), ("ROWS", FUSED_ROWS), ("SLICE", SLICE), ("X", x.dtype), ("Y", x.dtype),
+                  ("K", k)],
+        grid=(32 * FUSED_WARPS * slices, pairs, 1),
+        threadgroup=(32 * FUSED_WARPS, 1, 1),
+        output_shapes=[(pairs, d), (pairs * slices * d + pairs,)],
+        output_dtypes=[x.dtype, mx.float32],
+        init_value=0.0,  # the counters (and partials) start at zero
+    )
+    return y
+
+
 def _config(x, indices, gate, up, down) -> tuple:
+    # the launch taken is part of it: each is checked against the reference on first use
     return (backend(), x.shape[-1], gate.output_dims, indices.shape[-1], gate.bits, gate.group_size,
-            str(gate.scales.dtype), str(x.dtype))
+            str(gate.scales.dtype), str(x.dtype), _fused(indices.size, gate.output_dims))
 
 
 def _kernel(x, indices, gate, up, down):

@@ -148,6 +148,13 @@ static inline float __shfl_xor_sync(unsigned, float v, int o) { return lane_exch
 static inline float __shfl_sync(unsigned, float v, int from) { return lane_exchange(v, from); }
 #define __expf(x) std::exp(x)  // a macro: glibc declares an __expf of its own
 static inline float __int_as_float(int v) { return as_type<float>(v); }
+// Threadgroups run one after another here, so a kernel's "last block" logic always sees
+// the earlier blocks' writes: these check its arithmetic and indexing, not its ordering.
+static inline unsigned int atomicAdd(unsigned int* p, unsigned int v) {
+    return __atomic_fetch_add(p, v, __ATOMIC_SEQ_CST);
+}
+static inline void __threadfence() { std::atomic_thread_fence(std::memory_order_seq_cst); }
+template <typename T> static inline T __ldcg(const T* p) { return *p; }
 #define threadIdx (tl_tid)
 #define blockIdx (tl_gid)
 #define gridDim (tl_ntg)

@@ -339,7 +339,11 @@ def test_references_take_a_half_model_and_answer_in_its_dtype(dtype):
 @pytest.mark.parametrize("bits", [2, 3, 4, 8])
 @pytest.mark.parametrize("group_size", [32, 64])
 @pytest.mark.parametrize("tokens, k, dtype", [(1, 8, mx.float32), (1, 8, mx.float16), (4, 2, mx.bfloat16)])
-def test_expert_kernel_matches_its_reference(bits, group_size, tokens, k, dtype):
+@pytest.mark.parametrize("fused", [False, True], ids=["two launches", "fused"])
+def test_expert_kernel_matches_its_reference(bits, group_size, tokens, k, dtype, fused, monkeypatch):
+    if fused and kernels.backend() != "cuda":
+        pytest.skip("the one-launch expert kernel is CUDA's")
+    monkeypatch.setattr(expert_module, "FUSED", fused)
     d, h, experts = 512, 256, 16
     gate, up = (quantized_experts(experts, h, d, group_size, bits) for _ in range(2))
     down = quantized_experts(experts, d, h, group_size, bits)
@@ -493,6 +497,18 @@ CUDA_BUILDS = {
         [("x", BF16), ("idx", U32), ("gw", U32), ("gs", HALF), ("gb", HALF), ("uw", U32), ("us", HALF), ("ub", HALF)],
         [("hid", "float")],
         [("S", HALF), ("D", 2048), ("H", 768), ("BITS", 3), ("GS", 64), ("WARPS", 4), ("ROWS", 4), ("X", BF16), ("K", 8)]),
+    "expert fused, 4-bit, the defaults": assemble(
+        "expert_swiglu", "fused",
+        [("x", HALF), ("idx", U32), ("gw", U32), ("gs", HALF), ("gb", HALF), ("uw", U32), ("us", HALF),
+         ("ub", HALF), ("dw", U32), ("ds", HALF), ("db", HALF)], [("y", HALF), ("scratch", "float")],
+        [("S", HALF), ("D", 2048), ("H", 768), ("BITS", 4), ("GS", 64), ("WARPS", expert_module.FUSED_WARPS),
+         ("ROWS", expert_module.FUSED_ROWS), ("SLICE", expert_module.SLICE), ("X", HALF), ("Y", HALF), ("K", 8)]),
+    "expert fused, 3-bit, bfloat16, two chunks a slice": assemble(
+        "expert_swiglu", "fused",
+        [("x", BF16), ("idx", U32), ("gw", U32), ("gs", BF16), ("gb", BF16), ("uw", U32), ("us", BF16),
+         ("ub", BF16), ("dw", U32), ("ds", BF16), ("db", BF16)], [("y", BF16), ("scratch", "float")],
+        [("S", BF16), ("D", 2048), ("H", 768), ("BITS", 3), ("GS", 32), ("WARPS", 4), ("ROWS", 4), ("SLICE", 64),
+         ("X", BF16), ("Y", BF16), ("K", 8)]),
     "expert down, bfloat16 out": assemble(
         "expert_swiglu", "down",
         [("hid", "float"), ("idx", U32), ("dw", U32), ("ds", HALF), ("db", HALF)], [("y", BF16)],
@@ -523,8 +539,8 @@ def test_the_cuda_timing_programs_build(tmp_path):
     check against a float computation) compile here."""
     from benchmarks.cuda_kernels import build
 
-    built = build(tmp_path, "sm_90", ["attention_b4_w4_t4_c256", "expert_b4_w4_r4"])
-    assert all(path.exists() for path in built.values()) and len(built) == 2
+    built = build(tmp_path, "sm_90", ["attention_b4_w4_t4_c256", "expert_b4_w4_r4_s0", "expert_b4_w8_r4_s32"])
+    assert all(path.exists() for path in built.values()) and len(built) == 3
 
 
 # The kernel bodies themselves, run on the CPU by tests/simt.py (one OS thread per GPU
@@ -606,6 +622,54 @@ def test_expert_kernel_sources_compute_their_reference(dialect, bits, group_size
                  grid=(-(-d // rows), pairs, 1), threads=32 * expert_module.WARPS)["y"]
     want = reference.expert_swiglu(x, indices, gate, up, down)
     assert rel_err(y.reshape(tokens, k, d), want) < 1e-5
+
+
+def run_fused(x, indices, gate, up, down, template, trace=False):
+    """expert_swiglu.cu's one-launch kernel under the SIMT emulation: -> y (pairs, D)[, trace]."""
+    import simt
+
+    pairs, d, h = indices.size, x.shape[-1], gate.output_dims
+    slices = h // template["SLICE"]
+    inputs = {"x": np.array(x), "idx": np.array(indices.reshape(-1)), **{n: np.array(a) for n, a in zip(
+        ("gw", "gs", "gb", "uw", "us", "ub", "dw", "ds", "db"), (*gate[:3], *up[:3], *down[:3]))}}
+    common = {"S": "float", "D": d, "H": h, "BITS": gate.bits, "GS": gate.group_size, "X": "float", "Y": "float",
+              "K": indices.shape[-1], **template}
+    got = simt.run("expert_swiglu", "fused", "cu", inputs, {"y": (pairs, d), "scratch": (pairs * slices * d + pairs,)},
+                   common, grid=(slices, pairs, 1), threads=32 * template["WARPS"], trace=trace)
+    return (got[0]["y"], got[1]) if trace else got["y"]
+
+
+@pytest.mark.skipif(shutil.which("g++") is None, reason="no g++ to build the SIMT emulation")
+@pytest.mark.parametrize("bits, group_size, d, h, tokens, k, slice_, warps, rows", [
+    (4, 64, 1088, 128, 1, 2, 32, 8, 4),  # the defaults' shape of launch; lanes 0 and 1 take a second x chunk
+    (3, 32, 96, 64, 2, 3, 32, 4, 4),  # 3-bit codes cross words; two rounds of rows a warp
+    (2, 32, 96, 128, 1, 2, 64, 4, 2),  # two chunks of each down row a block, groups of 32 inside a slice
+    (8, 64, 64, 192, 2, 1, 64, 8, 8),  # 8-bit, one slice holding a whole group
+])
+def test_the_fused_expert_kernel_computes_its_reference(bits, group_size, d, h, tokens, k, slice_, warps, rows):
+    """The CUDA one-launch kernel: every block's slice of the hidden vector, its partial down
+    product, and the last block's sum over the slices give the reference's output."""
+    experts = 5
+    gate, up = (quantized_experts(experts, h, d, group_size, bits) for _ in range(2))
+    down = quantized_experts(experts, d, h, group_size, bits)
+    x = mx.random.normal((tokens, d))
+    indices = mx.stack([mx.random.permutation(experts)[:k] for _ in range(tokens)]).astype(mx.uint32)
+    y = run_fused(x, indices, gate, up, down, {"SLICE": slice_, "WARPS": warps, "ROWS": rows})
+    want = reference.expert_swiglu(x, indices, gate, up, down)
+    assert rel_err(y.reshape(tokens, k, d), want) < 1e-5
+
+
+@pytest.mark.skipif(shutil.which("g++") is None, reason="no g++ to build the SIMT emulation")
+def test_the_fused_expert_kernel_reads_shared_memory_without_bank_conflicts():
+    """Its staged x as gate_up's (one pass for 16-byte reads), and its hidden slice as a
+    broadcast: every thread of a warp reads the same value."""
+    gate, up = (quantized_experts(2, 64, 1024, 64, 4) for _ in range(2))
+    down = quantized_experts(2, 1024, 64, 64, 4)
+    x, indices = mx.random.normal((1, 1024)), mx.array([[1]], mx.uint32)
+    _, trace = run_fused(x, indices, gate, up, down, {"SLICE": 32, "WARPS": expert_module.FUSED_WARPS,
+                                                      "ROWS": expert_module.FUSED_ROWS}, trace=True)
+    assert trace.worst(16)["xs"] == 1 and trace.worst(4)["xs"] <= 4
+    assert trace.worst(4)["hsl"] == 1
 
 
 @pytest.mark.skipif(shutil.which("g++") is None, reason="no g++ to build the SIMT emulation")
