@@ -36,14 +36,16 @@ sys.path.insert(0, str(ROOT))
 
 from lmsp_mlx.kernels.attention import float_bits  # noqa: E402
 from lmsp_mlx.kernels.cuda_source import STAND_IN, extras, kernel  # noqa: E402
-from lmsp_mlx.kernels.sources import sections  # noqa: E402
+from lmsp_mlx.kernels.sources import body as section_body, sections  # noqa: E402
 
 HIDDEN, EXPERT_HIDDEN, EXPERTS, TOP_K = 2048, 768, 128, 8
 KV_HEADS, ROWS_PER_KV, HEAD_DIM, GROUP = 4, 8, 128, 64  # 32 query heads over 4 KV heads
 CONTEXTS = (8192, 16384, 32768)
 SPREAD = 256 << 20  # bytes one graph's calls read in all: five times the H200's L2
-# (bits, WARPS, BATCH, CHUNK): the default first, then kernel_sweep.py's runners-up
-ATTENTION = [(4, 4, 4, 256), (8, 4, 4, 256), (4, 8, 4, 512), (4, 4, 8, 512), (4, 4, 2, 256)]
+# (bits, WARPS, BATCH, CHUNK, fused): the default first, then kernel_sweep.py's runners-up;
+# fused: the splits merged by the last one in the same launch ("body+last"), else by `merge`
+ATTENTION = [(4, 4, 4, 256, True), (8, 4, 4, 256, True), (4, 4, 4, 256, False), (4, 8, 4, 512, True),
+             (4, 4, 8, 512, True), (4, 4, 2, 256, True)]
 # (bits, WARPS, ROWS, SLICE): SLICE 0 is the two launches (gate_up, down), else the fused one
 EXPERT = [(4, 4, 4, 0), (2, 4, 4, 0), (4, 4, 2, 0), (4, 2, 8, 0), (4, 8, 4, 32), (2, 8, 4, 32), (4, 8, 4, 64)]
 HALF, U32 = "__half", "uint32_t"
@@ -153,27 +155,38 @@ int main() {
 
 def call(name: str, grid: str, block: str, inputs: list[str], outputs: list[str], stem: str, section: str) -> str:
     """A launch of kernel `name`, its arguments in MLX's order (host variables named alike)."""
-    body = sections(f"{stem}.cu")[section]
+    body = section_body(f"{stem}.cu", section)
     args = []
     for arg in inputs:
         args += [arg, *(f"{arg}_{kind}" for kind in extras(body, arg))]
     return f"{name}<<<{grid}, {block}, 0, s>>>({', '.join(args + outputs)});"
 
 
-def attention_program(bits: int, warps: int, batch: int, chunk: int) -> str:
-    tag = f"b{bits}_w{warps}_t{batch}_c{chunk}"
+def attention_program(bits: int, warps: int, batch: int, chunk: int, fused: bool = False) -> str:
+    """Times one launch shape: body then merge, or (fused) body+last, which, as under MLX's
+    init_value, zeroes its outputs in the same graph before each launch."""
+    tag = f"b{bits}_w{warps}_t{batch}_c{chunk}_{'f' if fused else 'm'}"
     scale = HEAD_DIM**-0.5
-    body = kernel("decode_attention", "body",
+    section = "body+last" if fused else "body"
+    states = ["o_acc", "o_max", "o_sum"] + (["out"] if fused else [])
+    body = kernel("decode_attention", section,
                   [("q", HALF), ("kw", U32), ("ks", HALF), ("kb", HALF), ("vw", U32), ("vs", HALF), ("vb", HALF)],
-                  [("o_acc", "float"), ("o_max", "float"), ("o_sum", "float")],
+                  [("o_acc", "float"), ("o_max", "float"), ("o_sum", "float")] + ([("result", HALF)] if fused else []),
                   [("T", HALF), ("S", HALF), ("D", HEAD_DIM), ("G", ROWS_PER_KV), ("BITS", bits), ("GS", GROUP),
                    ("WARPS", warps), ("BATCH", batch), ("CHUNK", chunk), ("SCALE", float_bits(scale))], name=f"body_{tag}")
     merge = kernel("decode_attention", "merge", [("acc", "float"), ("tops", "float"), ("totals", "float")],
                    [("out", HALF)], [("T", HALF), ("D", HEAD_DIM), ("G", ROWS_PER_KV)], name="merge_kernel")
-    launch_body = call(f"mlx::core::cu::body_{tag}", "dim3(1, H, splits)", f"dim3({32 * warps})",
-                       ["q", "kw", "ks", "kb", "vw", "vs", "vb"], ["o_acc", "o_max", "o_sum"], "decode_attention", "body")
-    launch_merge = call("mlx::core::cu::merge_kernel", "dim3(1, H * G)", "dim3(32)", ["acc", "tops", "totals"], ["out"],
-                        "decode_attention", "merge")
+    launches = call(f"mlx::core::cu::body_{tag}", "dim3(1, H, splits)", f"dim3({32 * warps})",
+                    ["q", "kw", "ks", "kb", "vw", "vs", "vb"], states, "decode_attention", section)
+    if fused:
+        launches = ("CHECK(cudaMemsetAsync(o_acc, 0, size_t(H) * splits * G * D * 4, s)); "
+                    "CHECK(cudaMemsetAsync(o_max, 0, size_t(H) * splits * G * 4, s));\n            "
+                    "CHECK(cudaMemsetAsync(o_sum, 0, (size_t(H) * splits * G + H) * 4, s)); "
+                    "CHECK(cudaMemsetAsync(out, 0, size_t(H) * G * D * 2, s));\n            " + launches)
+    else:
+        launches += "\n            " + call("mlx::core::cu::merge_kernel", "dim3(1, H * G)", "dim3(32)",
+                                             ["acc", "tops", "totals"], ["out"], "decode_attention", "merge")
+    config = f"WARPS={warps} BATCH={batch} CHUNK=%d{' one launch' if fused else ''}"
     return f"""{STAND_IN}{COMMON}
 {sections('decode_attention.cu')['header']}
 {body}
@@ -198,7 +211,7 @@ int main() {{
         CHECK(cudaDeviceSynchronize());  // the fills ran on the legacy stream; `s` does not wait for it
         float *o_acc, *o_max, *o_sum; __half* out;
         CHECK(cudaMalloc(&o_acc, size_t(H) * splits * G * D * 4)); CHECK(cudaMalloc(&o_max, size_t(H) * splits * G * 4));
-        CHECK(cudaMalloc(&o_sum, size_t(H) * splits * G * 4)); CHECK(cudaMalloc(&out, size_t(H) * G * D * 2));
+        CHECK(cudaMalloc(&o_sum, (size_t(H) * splits * G + H) * 4)); CHECK(cudaMalloc(&out, size_t(H) * G * D * 2));
         float *acc = o_acc, *tops = o_max, *totals = o_sum;
         const Shape kw_shape = shape4(1, H, n, words), acc_shape = shape4(H, splits, G, D);
         const Strides kw_strides = strides4(long(H) * n * words, long(n) * words, words, 1), vw_strides = kw_strides;
@@ -207,8 +220,7 @@ int main() {{
         auto one = [&](int c) {{
             const uint32_t *kw = kws[c], *vw = vws[c];
             const __half *ks = kss[c], *kb = kbs[c], *vs = vss[c], *vb = vbs[c];
-            {launch_body}
-            {launch_merge}
+            {launches}
         }};
         // One call against a float computation on the host (copy 0).
         CHECK(cudaMemset(out, 0xff, size_t(H) * G * D * 2));  // NaNs: an unwritten output fails
@@ -245,7 +257,7 @@ int main() {{
             }}
         }}
         double us = graph_us(s, [&] {{ for (int c = 0; c < copies; c++) one(c); }}) / copies;
-        printf("CSV,attention,WARPS=%d BATCH=%d CHUNK=%d,%d,%d,%.3f,%zu,%.3g\\n", {warps}, {batch}, CHUNK, n, BITS, us, bytes, err / ref);
+        printf("CSV,attention,{config},%d,%d,%.3f,%zu,%.3g\\n", CHUNK, n, BITS, us, bytes, err / ref);
         fflush(stdout);
         for (int c = 0; c < copies; c++) {{
             CHECK(cudaFree(kws[c])); CHECK(cudaFree(vws[c])); CHECK(cudaFree(kss[c])); CHECK(cudaFree(kbs[c]));
@@ -355,8 +367,9 @@ int main() {{
 
 def programs() -> dict[str, str]:
     out = {"bandwidth": f"{STAND_IN}{COMMON}{BANDWIDTH_MAIN}"}
-    for bits, warps, batch, chunk in ATTENTION:
-        out[f"attention_b{bits}_w{warps}_t{batch}_c{chunk}"] = attention_program(bits, warps, batch, chunk)
+    for bits, warps, batch, chunk, fused in ATTENTION:
+        name = f"attention_b{bits}_w{warps}_t{batch}_c{chunk}{'_f' if fused else ''}"
+        out[name] = attention_program(bits, warps, batch, chunk, fused)
     for bits, warps, rows, slice_ in EXPERT:
         out[f"expert_b{bits}_w{warps}_r{rows}_s{slice_}"] = expert_program(bits, warps, rows, slice_)
     return out

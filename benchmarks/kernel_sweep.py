@@ -8,7 +8,8 @@ benchmark's decode shapes (16K positions of 4-bit KV, 32/4 heads of 128; one tok
 of 128 4-bit experts of 2048/768), each as a chain of calls in one evaluation on inputs
 spread past the GPU's cache (as benchmarks/kernels.py does), and checks each candidate's
 output against the reference, so a candidate that is fast but wrong shows as wrong.
-The experts are swept in both launches: two (gate_up, down) and, under CUDA, the fused one.
+Under CUDA both kernels are also timed in their other launch form: the experts' two
+launches against the fused one, and attention's body then merge against its one launch.
 Writes kernel_sweep.csv. The CPU build has no kernels: there it says so and stops.
 """
 
@@ -61,11 +62,15 @@ def sweep_attention(chain: int, bandwidth: float) -> list[dict]:
     mx.eval(caches, q0)
     scale = HEAD_DIM**-0.5
     want = reference.decode_attention(q0, *caches[0], scale, GROUP, BITS)
-    defaults = attention.WARPS, attention.BATCH, attention.CHUNK
+    defaults = attention.WARPS, attention.BATCH, attention.CHUNK, attention.FUSED
+    candidates = [(w, b, c, attention.FUSED) for w, b, c in ATTENTION]
+    if kernels.backend() == "cuda":  # the default shape in two launches too, body then merge
+        candidates.append((*defaults[:3], False))
     rows = []
-    for warps, batch, chunk in ATTENTION:
-        attention.WARPS, attention.BATCH, attention.CHUNK = warps, batch, chunk
-        row = {"kernel": "attention", "config": f"WARPS={warps} BATCH={batch} CHUNK={chunk}"}
+    for warps, batch, chunk, fused in candidates:
+        attention.WARPS, attention.BATCH, attention.CHUNK, attention.FUSED = warps, batch, chunk, fused
+        form = " one launch" if fused and kernels.backend() == "cuda" else ""
+        row = {"kernel": "attention", "config": f"WARPS={warps} BATCH={batch} CHUNK={chunk}{form}"}
         try:
             right = close(attention.kernel(q0, *caches[0], scale, GROUP, BITS), want, 2e-2)
             t = timed(lambda i, q: attention.kernel(q0 if q is None else q, *caches[i % copies], scale, GROUP, BITS),
@@ -75,7 +80,7 @@ def sweep_attention(chain: int, bandwidth: float) -> list[dict]:
             row |= {"us": None, "of_bound": None, "agrees": f"failed: {str(exc).splitlines()[0][:120]}"}
         rows.append(row)
         print(row, flush=True)
-    attention.WARPS, attention.BATCH, attention.CHUNK = defaults
+    attention.WARPS, attention.BATCH, attention.CHUNK, attention.FUSED = defaults
     return rows
 
 

@@ -7,7 +7,8 @@ Every query position sees all N cached positions, as in a decode step.
 
 The kernel (decode_attention.metal / .cu) reads K and V where the cache keeps them (the
 views' strides, no copy), in splits of CHUNK positions across the GPU; a second, small
-kernel merges the splits' partial softmax states. Shapes it does not take (head sizes
+kernel merges the splits' partial softmax states (under CUDA, the last split of each head
+merges them in the same launch). Shapes it does not take (head sizes
 that are not a multiple of 32, values narrower than keys, more than 1024 query values
 per KV head, grids past CUDA's limits) go to the reference. On MLX's CPU build the kernel
 is attention.c (kernels/cpu.py) for a float32 model's cache, the reference otherwise.
@@ -27,6 +28,7 @@ from .sources import kernel as build
 CHUNK = 256  # positions per threadgroup: 64 splits per KV head at 16K
 WARPS = 4  # simdgroups per threadgroup (their merge takes WARPS * G * D floats of its memory)
 BATCH = 4  # positions a simdgroup loads together
+FUSED = True  # under CUDA, merge the splits in the same launch ("body+last"); Metal keeps two
 
 
 def _fits(queries: mx.array, keys, values, group_size: int, bits: int) -> bool:
@@ -44,9 +46,12 @@ def kernel(queries, keys, values, scale: float, group_size: int, bits: int) -> m
     rows = hq // hkv * length  # query rows per KV head: the group's heads, each position
     q = mx.contiguous(queries.reshape(b, hq * length, d))
     splits = -(-n // CHUNK)
-    body = build(backend(), "decode_attention", "body", ("q", "kw", "ks", "kb", "vw", "vs", "vb"),
-                 ("o_acc", "o_max", "o_sum"), contiguous=False)
-    acc, top, total = body(
+    fused = _fused()
+    body = build(backend(), "decode_attention", "body+last" if fused else "body",
+                 ("q", "kw", "ks", "kb", "vw", "vs", "vb"),
+                 ("o_acc", "o_max", "o_sum", "result") if fused else ("o_acc", "o_max", "o_sum"), contiguous=False)
+    states = [(b * hkv, splits, rows, d), (b * hkv, splits, rows)]
+    outputs = body(
         inputs=[q, *keys, *values],
         # T and S name the input dtypes though the body does not use them: MLX's CUDA
         # backend tells compiled kernels apart by name and template args only. The scale
@@ -56,9 +61,15 @@ def kernel(queries, keys, values, scale: float, group_size: int, bits: int) -> m
                   ("SCALE", float_bits(scale))],
         grid=(32 * WARPS, b * hkv, splits),
         threadgroup=(32 * WARPS, 1, 1),
-        output_shapes=[(b * hkv, splits, rows, d), (b * hkv, splits, rows), (b * hkv, splits, rows)],
-        output_dtypes=[mx.float32] * 3,
+        # fused: o_sum also holds a counter per (batch, KV head), and all start at zero
+        output_shapes=[*states, (b * hkv * splits * rows + b * hkv,), (b * hkv * rows, d)] if fused
+        else [*states, (b * hkv, splits, rows)],
+        output_dtypes=[mx.float32] * 3 + ([queries.dtype] if fused else []),
+        init_value=0.0 if fused else None,
     )
+    if fused:
+        return outputs[3].reshape(b, hq, length, d)
+    acc, top, total = outputs
     merge = build(backend(), "decode_attention", "merge", ("acc", "tops", "totals"), ("out",))
     (out,) = merge(
         inputs=[acc, top, total],
@@ -71,6 +82,10 @@ def kernel(queries, keys, values, scale: float, group_size: int, bits: int) -> m
     return out.reshape(b, hq, length, d)
 
 
+def _fused() -> bool:
+    return FUSED and backend() == "cuda"
+
+
 def float_bits(x: float) -> int:
     """A float32's bits as a signed int32, the form a template constant takes."""
     return struct.unpack("<i", struct.pack("<f", x))[0]
@@ -78,7 +93,7 @@ def float_bits(x: float) -> int:
 
 def _config(queries, keys, values, scale, group_size, bits) -> tuple:
     return (backend(), queries.shape[1] // keys[0].shape[1] * queries.shape[2], queries.shape[3], bits,
-            group_size, str(keys[1].dtype), str(queries.dtype), float_bits(scale))
+            group_size, str(keys[1].dtype), str(queries.dtype), float_bits(scale), _fused())
 
 
 def _kernel(queries, keys, values, scale, group_size, bits):

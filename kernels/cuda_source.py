@@ -12,7 +12,7 @@ MLX's per-operation cost).
 
 from __future__ import annotations
 
-from .sources import sections
+from .sources import body as section_body, sections
 
 STAND_IN = """
 #include <cstdint>
@@ -35,7 +35,7 @@ def extras(body: str, name: str) -> list[str]:
 def kernel(stem: str, section: str, inputs: list[tuple[str, str]], outputs: list[tuple[str, str]],
            template: list[tuple[str, int | str]], name: str | None = None) -> str:
     """One __global__ function (default name lmsp_<stem>_<section>), without the header."""
-    body = sections(f"{stem}.cu")[section]
+    body = section_body(f"{stem}.cu", section)
     params = []
     for arg, ctype in inputs:
         params.append(f"const {ctype}* {arg}")
@@ -43,8 +43,9 @@ def kernel(stem: str, section: str, inputs: list[tuple[str, str]], outputs: list
                    for kind in extras(body, arg)]
     params += [f"{ctype}* {arg}" for arg, ctype in outputs]
     consts = "".join(f"constexpr int {k} = {v};\n" if isinstance(v, int) else f"using {k} = {v};\n" for k, v in template)
+    name = name or f"lmsp_{stem}_{section.replace('+', '_')}"
     return (f"namespace mlx::core::cu {{\nnamespace cg = cooperative_groups;\n"
-            f"__global__ void {name or f'lmsp_{stem}_{section}'}({', '.join(params)}) {{\n{consts}{body}}}\n}}\n")
+            f"__global__ void {name}({', '.join(params)}) {{\n{consts}{body}}}\n}}\n")
 
 
 def assemble(stem: str, section: str, inputs: list[tuple[str, str]], outputs: list[tuple[str, str]],

@@ -3,7 +3,7 @@
 // per (batch, KV head, split of CHUNK positions), WARPS warps taking batches of BATCH
 // positions round-robin, the 32 lanes splitting the head dimension, an online softmax per
 // query head in registers, warps merged in shared memory, splits merged by the second
-// kernel, `merge`.
+// kernel, `merge`, or, in one launch, by `last` appended to the body.
 
 // --- header ---
 // A lane's EPL values of one cached row. Where they span at most 32 bits (head sizes up to
@@ -188,6 +188,42 @@ if (warp == 0) {
             o_max[out * G + g] = top;
             o_sum[out * G + g] = total;
         }
+    }
+}
+
+// --- last ---
+// Appended to `body` ("body+last") for the one-launch form under CUDA: the last split of
+// each (batch, KV head) to finish merges every split, as `merge` does, into `result`. A
+// counter per (batch, KV head) sits after the splits' sums in `o_sum`, zeroed with the
+// outputs by the launch's init_value. The merge reads the splits in order, so the result
+// does not depend on which split finished last. MLX's cost per operation, not the
+// kernels, made most of a call on the H200: this is one launch where there were two.
+// output: result (B * Hkv * G, D) in T
+__threadfence();  // this thread's partial state is in memory before the count below
+__syncthreads();
+__shared__ bool last;
+if (threadIdx.x == 0) {
+    unsigned int* counters = reinterpret_cast<unsigned int*>(o_sum + long(gridDim.y) * splits * G);
+    last = atomicAdd(counters + bh, 1u) == unsigned(splits - 1);
+}
+__syncthreads();
+if (last) {
+    __threadfence();
+    for (int g = warp; g < G; g += WARPS) {
+        float top = neg_inf;
+        for (int s = 0; s < splits; s++) top = fmaxf(top, __ldcg(o_max + (bh * splits + s) * G + g));
+        float total = 0.0f, sums[EPL];
+#pragma unroll
+        for (int i = 0; i < EPL; i++) sums[i] = 0.0f;
+        for (int s = 0; s < splits; s++) {  // past L1: other SMs wrote these
+            const int at = (bh * splits + s) * G + g;
+            const float f = __expf(__ldcg(o_max + at) - top);
+            total += f * __ldcg(o_sum + at);
+#pragma unroll
+            for (int i = 0; i < EPL; i++) sums[i] += f * __ldcg(o_acc + long(at) * D + e0 + i);
+        }
+#pragma unroll
+        for (int i = 0; i < EPL; i++) result[long(bh * G + g) * D + e0 + i] = static_cast<T>(sums[i] / total);
     }
 }
 

@@ -25,16 +25,23 @@ def sections(filename: str) -> dict[str, str]:
     return {parts[i]: parts[i + 1].strip() + "\n" for i in range(1, len(parts), 2)}
 
 
+def body(filename: str, section: str) -> str:
+    """A kernel's body: one section, or sections joined by '+' run one after the other in
+    one kernel ("body+last": decode attention with its splits merged at the end)."""
+    src = sections(filename)
+    return "".join(src[part] for part in section.split("+"))
+
+
 @lru_cache(maxsize=None)
 def kernel(backend: str, stem: str, section: str, inputs: tuple[str, ...], outputs: tuple[str, ...],
            contiguous: bool = True):
     """The compiled-on-demand kernel `section` of `stem`.metal or `stem`.cu."""
-    src = sections(f"{stem}.{'metal' if backend == 'metal' else 'cu'}")
-    header, body = src.get("header", ""), src[section]
+    filename = f"{stem}.{'metal' if backend == 'metal' else 'cu'}"
+    header, text = sections(filename).get("header", ""), body(filename, section)
     # MLX's CUDA backend caches compiled kernels by name, in the process and on disk, and
     # (before MLX PR #4273) without the source: the name carries a hash of it, so an
     # edited kernel is never served from a stale cache. Input dtypes are template args.
-    digest = hashlib.sha1((header + body).encode()).hexdigest()[:12]
+    digest = hashlib.sha1((header + text).encode()).hexdigest()[:12]
     make = mx.fast.metal_kernel if backend == "metal" else mx.fast.cuda_kernel
-    return make(name=f"lmsp_{stem}_{section}_{digest}", input_names=list(inputs), output_names=list(outputs),
-                source=body, header=header, ensure_row_contiguous=contiguous)
+    return make(name=f"lmsp_{stem}_{section.replace('+', '_')}_{digest}", input_names=list(inputs),
+                output_names=list(outputs), source=text, header=header, ensure_row_contiguous=contiguous)

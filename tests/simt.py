@@ -40,7 +40,7 @@ from pathlib import Path
 
 import numpy as np
 
-from lmsp_mlx.kernels.sources import sections
+from lmsp_mlx.kernels.sources import body as section_body, sections
 
 PRELUDE = r"""
 #include <algorithm>
@@ -233,7 +233,7 @@ def run(stem: str, section: str, dialect: str, inputs: dict[str, np.ndarray], ou
     (the kernel gets their strides in elements, as MLX passes a view's); `outputs` maps a
     name to its shape (float32). With `trace`, also the run's threadgroup-memory accesses."""
     src = sections(f"{stem}.{dialect}")
-    body = src[section]
+    body = section_body(f"{stem}.{dialect}", section)
     names: list[str] = []
     if trace:
         body, names = _logged(body)

@@ -339,7 +339,7 @@ def test_references_take_a_half_model_and_answer_in_its_dtype(dtype):
 @pytest.mark.parametrize("bits", [2, 3, 4, 8])
 @pytest.mark.parametrize("group_size", [32, 64])
 @pytest.mark.parametrize("tokens, k, dtype", [(1, 8, mx.float32), (1, 8, mx.float16), (4, 2, mx.bfloat16)])
-@pytest.mark.parametrize("fused", [False, True], ids=["two launches", "fused"])
+@pytest.mark.parametrize("fused", [False, True], ids=["two-launches", "one-launch"])
 def test_expert_kernel_matches_its_reference(bits, group_size, tokens, k, dtype, fused, monkeypatch):
     if fused and kernels.backend() != "cuda":
         pytest.skip("the one-launch expert kernel is CUDA's")
@@ -362,7 +362,11 @@ def test_expert_kernel_matches_its_reference(bits, group_size, tokens, k, dtype,
 @pytest.mark.parametrize("group_size", [32, 64])
 @pytest.mark.parametrize("batch, hq, hkv, n, d", ATTENTION_CASES + [(1, 32, 8, 16384, 128)])
 @pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16])
-def test_attention_kernel_matches_its_reference(bits, group_size, batch, hq, hkv, n, d, dtype):
+@pytest.mark.parametrize("fused", [False, True], ids=["two-launches", "one-launch"])
+def test_attention_kernel_matches_its_reference(bits, group_size, batch, hq, hkv, n, d, dtype, fused, monkeypatch):
+    if fused and kernels.backend() != "cuda":
+        pytest.skip("the one-launch attention kernel is CUDA's")
+    monkeypatch.setattr(attention_module, "FUSED", fused)
     keys = quantized_kv(batch, hkv, n, d, group_size, bits, spare=100)
     values = quantized_kv(batch, hkv, n, d, group_size, bits, spare=100)
     if dtype != mx.float32:  # a half model's cache: half scales and biases, half queries
@@ -373,6 +377,45 @@ def test_attention_kernel_matches_its_reference(bits, group_size, batch, hq, hkv
     # float32: summation order only; half: the output's own rounding (2^-8 for bfloat16)
     want = reference.decode_attention(q, keys, values, scale, group_size, bits)
     assert rel_err(got, want) < (1e-4 if dtype == mx.float32 else 1e-2)
+
+
+needs_cuda = pytest.mark.skipif(kernels.backend() != "cuda", reason="the one-launch kernels are CUDA's; "
+                                "this build has " + (kernels.backend() or "neither Metal nor CUDA"))
+
+
+@needs_cuda
+def test_one_launch_forms_agree_with_two_launches_and_the_reference(monkeypatch):
+    """The CUDA one-launch forms hand partial results between blocks through memory and a
+    counter, which only a GPU runs concurrently: on a few decode shapes each agrees with its
+    two-launch form and with the reference (the per-shape sweeps are
+    test_*_kernel_matches_its_reference)."""
+    for bits, group_size, tokens, k, dtype in [(4, 64, 1, 8, mx.float16), (3, 32, 4, 8, mx.float32)]:
+        d, h, experts = 512, 256, 16
+        gate, up = (quantized_experts(experts, h, d, group_size, bits) for _ in range(2))
+        down = quantized_experts(experts, d, h, group_size, bits)
+        gate, up, down = (p._replace(scales=p.scales.astype(dtype), biases=p.biases.astype(dtype))
+                          for p in (gate, up, down))
+        x = mx.random.normal((tokens, d)).astype(dtype)
+        indices = mx.stack([mx.random.permutation(experts)[:k] for _ in range(tokens)]).astype(mx.uint32)
+        got = {}
+        for fused in (False, True):
+            monkeypatch.setattr(expert_module, "FUSED", fused)
+            got[fused] = expert_module.kernel(x, indices, gate, up, down)
+        want = reference.expert_swiglu(x, indices, gate, up, down)
+        tolerance = 1e-4 if dtype == mx.float32 else 1e-2
+        assert rel_err(got[True], got[False]) < tolerance and rel_err(got[True], want) < tolerance
+    for bits, group_size, n, dtype in [(4, 64, 16384, mx.float16), (8, 32, 300, mx.float32)]:
+        keys, values = (quantized_kv(1, 4, n, 128, group_size, bits, spare=100) for _ in range(2))
+        keys, values = ((w, s.astype(dtype), b.astype(dtype)) for w, s, b in (keys, values))
+        q = mx.random.normal((1, 32, 1, 128)).astype(dtype)
+        got = {}
+        for fused in (False, True):
+            monkeypatch.setattr(attention_module, "FUSED", fused)
+            got[fused] = attention_module.kernel(q, keys, values, 128**-0.5, group_size, bits)
+        # the same merge in the same order; two compilations may still contract differently
+        assert rel_err(got[True], got[False]) < (1e-6 if dtype == mx.float32 else 2e-3)
+        want = reference.decode_attention(q, keys, values, 128**-0.5, group_size, bits)
+        assert rel_err(got[True], want) < (1e-4 if dtype == mx.float32 else 1e-2)
 
 
 def test_dispatch_modes(monkeypatch):
@@ -489,6 +532,12 @@ CUDA_BUILDS = {
         [("o_acc", "float"), ("o_max", "float"), ("o_sum", "float")],
         [("T", BF16), ("S", HALF), ("D", 128), ("G", 8), ("BITS", 4), ("GS", 64), ("WARPS", 4), ("BATCH", 4),
          ("CHUNK", 256), ("SCALE", 1040187392)]),  # 0.125
+    "decode_attention in one launch (body+last), float16 cache, 8 query rows of 128": assemble(
+        "decode_attention", "body+last",
+        [("q", BF16), ("kw", U32), ("ks", HALF), ("kb", HALF), ("vw", U32), ("vs", HALF), ("vb", HALF)],
+        [("o_acc", "float"), ("o_max", "float"), ("o_sum", "float"), ("result", BF16)],
+        [("T", BF16), ("S", HALF), ("D", 128), ("G", 8), ("BITS", 4), ("GS", 64), ("WARPS", 4), ("BATCH", 4),
+         ("CHUNK", 256), ("SCALE", 1040187392)]),
     "decode_attention merge, bfloat16 out": assemble(
         "decode_attention", "merge", [("acc", "float"), ("tops", "float"), ("totals", "float")], [("out", BF16)],
         [("T", BF16), ("D", 128), ("G", 8)]),
@@ -539,8 +588,9 @@ def test_the_cuda_timing_programs_build(tmp_path):
     check against a float computation) compile here."""
     from benchmarks.cuda_kernels import build
 
-    built = build(tmp_path, "sm_90", ["attention_b4_w4_t4_c256", "expert_b4_w4_r4_s0", "expert_b4_w8_r4_s32"])
-    assert all(path.exists() for path in built.values()) and len(built) == 3
+    built = build(tmp_path, "sm_90", ["attention_b4_w4_t4_c256", "attention_b4_w4_t4_c256_f", "expert_b4_w4_r4_s0",
+                                      "expert_b4_w8_r4_s32"])
+    assert all(path.exists() for path in built.values()) and len(built) == 4
 
 
 # The kernel bodies themselves, run on the CPU by tests/simt.py (one OS thread per GPU
@@ -587,6 +637,16 @@ def test_attention_kernel_source_computes_its_reference(dialect, bits, group_siz
                    {"out": (hkv * rows, d)}, {"T": "float", "D": d, "G": rows}, grid=(1, hkv * rows, 1), threads=32)
     got = out["out"].reshape(1, hq, 1, d)
     assert rel_err(got, reference.decode_attention(q, keys, values, scale, group_size, bits)) < 1e-5
+    # CUDA's one launch: the same body, and the last split of each KV head merges them all
+    if dialect == "cu":
+        fused = simt.run("decode_attention", "body+last", dialect, inputs,
+                         {"o_acc": (hkv, splits, rows, d), "o_max": (hkv, splits, rows),
+                          "o_sum": (hkv * splits * rows + hkv,), "result": (hkv * rows, d)},
+                         {"T": "float", "S": "float", "D": d, "G": rows, "BITS": bits, "GS": group_size,
+                          "WARPS": attention_module.WARPS, "BATCH": attention_module.BATCH,
+                          "CHUNK": attention_module.CHUNK, "SCALE": attention_module.float_bits(scale)},
+                         grid=(1, hkv, splits), threads=32 * attention_module.WARPS)
+        assert np.array_equal(fused["result"], out["out"])  # the same merge, in the same order
 
 
 @pytest.mark.skipif(shutil.which("g++") is None, reason="no g++ to build the SIMT emulation")
@@ -646,7 +706,7 @@ def run_fused(x, indices, gate, up, down, template, trace=False):
     (2, 32, 96, 128, 1, 2, 64, 4, 2),  # two chunks of each down row a block, groups of 32 inside a slice
     (8, 64, 64, 192, 2, 1, 64, 8, 8),  # 8-bit, one slice holding a whole group
 ])
-def test_the_fused_expert_kernel_computes_its_reference(bits, group_size, d, h, tokens, k, slice_, warps, rows):
+def test_the_fused_expert_kernel_source_computes_its_reference(bits, group_size, d, h, tokens, k, slice_, warps, rows):
     """The CUDA one-launch kernel: every block's slice of the hidden vector, its partial down
     product, and the last block's sum over the slices give the reference's output."""
     experts = 5
@@ -660,7 +720,7 @@ def test_the_fused_expert_kernel_computes_its_reference(bits, group_size, d, h, 
 
 
 @pytest.mark.skipif(shutil.which("g++") is None, reason="no g++ to build the SIMT emulation")
-def test_the_fused_expert_kernel_reads_shared_memory_without_bank_conflicts():
+def test_the_fused_expert_kernel_source_reads_shared_memory_without_bank_conflicts():
     """Its staged x as gate_up's (one pass for 16-byte reads), and its hidden slice as a
     broadcast: every thread of a warp reads the same value."""
     gate, up = (quantized_experts(2, 64, 1024, 64, 4) for _ in range(2))
@@ -675,7 +735,7 @@ def test_the_fused_expert_kernel_reads_shared_memory_without_bank_conflicts():
 @pytest.mark.skipif(shutil.which("g++") is None, reason="no g++ to build the SIMT emulation")
 @pytest.mark.parametrize("dialect", DIALECTS)
 @pytest.mark.parametrize("section", ["gate_up", "down"])
-def test_expert_kernels_read_their_staged_vector_without_bank_conflicts(dialect, section):
+def test_expert_kernel_sources_read_their_staged_vector_without_bank_conflicts(dialect, section):
     """Every lane of a simdgroup reads its own 32-value chunk of the staged x (gate_up) or
     hidden vector (down), so a plain layout put the 32 lanes' reads of one value in one bank
     of threadgroup memory: 32 passes a read (8 for nvcc's 16-byte reads). The H200 sweep
