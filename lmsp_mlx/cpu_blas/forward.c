@@ -11,8 +11,10 @@
  * on the calling thread, while OpenBLAS's worker waits on the other core.
  *
  * A quantized cache (--kv-bits): the chunk's K/V rows are quantized into it as mlx-lm's
- * update would, and the chunk attends over the whole cache dequantized into a buffer for
- * the layer, new rows included, which is what mlx-lm's quantized attention reads.
+ * update would, and the chunk attends over the whole cache dequantized, new rows included,
+ * which is what mlx-lm's quantized attention reads. One KV head is dequantized at a time,
+ * so the buffer is one head's K and V (34 MB at 32K positions of 128), not the layer's
+ * (268 MB with 8 KV heads): a quantized cache is there to save memory.
  */
 #include <stdlib.h>
 #include <string.h>
@@ -32,13 +34,12 @@ int64_t lmsp_prefill_scratch(const lmsp_model *m, int64_t n) {
     return n * (2 * (int64_t)m->dim + 3 * qdim + 2 * kvdim + 2 * (int64_t)m->hidden);
 }
 
-/* Each KV head's rows 0..total-1 of a quantized cache as floats, (n_kv_heads, total, head_dim). */
-static void dequantize_cache(const lmsp_model *m, const uint32_t *w, const float *s, const float *b, int64_t total,
-                             float *out) {
+/* KV head j's rows 0..total-1 of a quantized cache as floats, (total, head_dim). */
+static void dequantize_head(const lmsp_model *m, const uint32_t *w, const float *s, const float *b, int64_t j,
+                            int64_t total, float *out) {
     const int64_t hd = m->head_dim, words = hd * m->kv_bits / 32, groups = hd / m->kv_group, cap = m->capacity;
-    for (int64_t j = 0; j < m->n_kv_heads; j++)
-        lmsp_dequantize_rows(w + j * cap * words, s + j * cap * groups, b + j * cap * groups, total, hd, m->kv_bits,
-                             m->kv_group, out + j * total * hd);
+    lmsp_dequantize_rows(w + j * cap * words, s + j * cap * groups, b + j * cap * groups, total, hd, m->kv_bits,
+                         m->kv_group, out);
 }
 
 /*
@@ -54,16 +55,12 @@ int lmsp_prefill(const lmsp_model *m, const int32_t *tokens, int64_t n, int64_t 
     const int64_t qdim = nh * hd, kvdim = nkv * hd;
     float *x = scratch, *h = x + n * dim, *q = h + n * dim, *k = q + n * qdim, *v = k + n * kvdim;
     float *qg = v + n * kvdim, *att = qg + n * qdim, *gate = att + n * qdim, *up = gate + n * hidden;
-    /* the layer's cache as the attention reads it: the plain buffers, or a quantized
-       cache's rows 0..pos+n-1 dequantized (kf, vf) */
-    const float *keys, *values;
-    int64_t stride = cap;
+    /* a quantized cache's rows 0..pos+n-1 of one KV head, dequantized (kf, vf) */
     float *kf = NULL, *vf = NULL;
     if (m->kv_bits) {
-        stride = pos + n;
-        kf = malloc(sizeof(float) * 2 * nkv * stride * hd);
+        kf = malloc(sizeof(float) * 2 * (pos + n) * hd);
         if (kf == NULL) return 1;
-        vf = kf + nkv * stride * hd;
+        vf = kf + (pos + n) * hd;
     }
     int failed = 0;
     for (int64_t t = 0; t < n; t++) memcpy(x + t * dim, m->embed + (int64_t)tokens[t] * dim, dim * sizeof(float));
@@ -88,15 +85,16 @@ int lmsp_prefill(const lmsp_model *m, const int32_t *tokens, int64_t n, int64_t 
             for (int64_t j = 0; j < nkv; j++) rope_head(kt + j * hd, m->rope_dims, c, s);
             lmsp_store_kv(m, ly, kt, vt, pos + t);
         }
-        if (m->kv_bits) {
-            dequantize_cache(m, ly->key_codes, ly->key_scales, ly->key_biases, stride, kf);
-            dequantize_cache(m, ly->value_codes, ly->value_scales, ly->value_biases, stride, vf);
-            keys = kf, values = vf;
-        } else
-            keys = ly->keys, values = ly->values;
-        for (int64_t j = 0; !failed && j < nkv; j++)
-            failed = lmsp_causal_attention(qg + j * n * group * hd, keys + j * stride * hd, values + j * stride * hd,
-                                           att + j * n * group * hd, n, group, pos + n, hd, m->scale) != 0;
+        for (int64_t j = 0; !failed && j < nkv; j++) {
+            const float *keys = kf, *values = vf;
+            if (m->kv_bits) {
+                dequantize_head(m, ly->key_codes, ly->key_scales, ly->key_biases, j, pos + n, kf);
+                dequantize_head(m, ly->value_codes, ly->value_scales, ly->value_biases, j, pos + n, vf);
+            } else
+                keys = ly->keys + j * cap * hd, values = ly->values + j * cap * hd;
+            failed = lmsp_causal_attention(qg + j * n * group * hd, keys, values, att + j * n * group * hd, n, group,
+                                           pos + n, hd, m->scale) != 0;
+        }
         if (failed) break;
         /* Back to (n, nh * hd) for the output projection, reusing q. */
         for (int64_t t = 0; t < n; t++)
