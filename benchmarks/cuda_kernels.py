@@ -43,7 +43,7 @@ KV_HEADS, ROWS_PER_KV, HEAD_DIM, GROUP = 4, 8, 128, 64  # 32 query heads over 4 
 CONTEXTS = (8192, 16384, 32768)
 SPREAD = 256 << 20  # bytes one graph's calls read in all: five times the H200's L2
 # (bits, WARPS, BATCH, CHUNK, fused): the default first, then kernel_sweep.py's runners-up;
-# fused: the splits merged by the last one in the same launch ("body+last"), else by `merge`
+# fused: the splits merged by the last one in the same launch ("state+body+last"), else by `merge`
 ATTENTION = [(4, 4, 4, 256, True), (8, 4, 4, 256, True), (4, 4, 4, 256, False), (4, 8, 4, 512, True),
              (4, 4, 8, 512, True), (4, 4, 2, 256, True)]
 # (bits, WARPS, ROWS, SLICE): SLICE 0 is the two launches (gate_up, down), else the fused one
@@ -76,6 +76,11 @@ __global__ void fill_uniform(__half* p, size_t n, float lo, float hi, uint32_t s
         p[i] = __float2half(lo + (hi - lo) * (mix(i, seed) >> 8) * (1.0f / 16777216.0f));
 }
 __global__ void empty_kernel() {}
+// What MLX's init_value does before a one-launch kernel: a fill kernel per output.
+__global__ void fill_zero(uint32_t* p, size_t n) {
+    for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x) p[i] = 0;
+}
+#define FILL_ZERO(p, bytes) fill_zero<<<256, 256, 0, s>>>(reinterpret_cast<uint32_t*>(p), (bytes) / 4)
 __global__ void read_sum(const float4* p, size_t n, float* out) {
     float s = 0.0f;
     for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x) {
@@ -163,15 +168,16 @@ def call(name: str, grid: str, block: str, inputs: list[str], outputs: list[str]
 
 
 def attention_program(bits: int, warps: int, batch: int, chunk: int, fused: bool = False) -> str:
-    """Times one launch shape: body then merge, or (fused) body+last, which, as under MLX's
-    init_value, zeroes its outputs in the same graph before each launch."""
+    """Times one launch shape: body then merge, or (fused) state+body+last, which, as under
+    MLX's init_value, zeroes each of its outputs with a fill kernel before each launch."""
     tag = f"b{bits}_w{warps}_t{batch}_c{chunk}_{'f' if fused else 'm'}"
     scale = HEAD_DIM**-0.5
-    section = "body+last" if fused else "body"
-    states = ["o_acc", "o_max", "o_sum"] + (["out"] if fused else [])
+    section = "state+body+last" if fused else "body"
+    states = ["o_acc", "out"] if fused else ["o_acc", "o_max", "o_sum"]  # fused: o_acc is the whole state
     body = kernel("decode_attention", section,
                   [("q", HALF), ("kw", U32), ("ks", HALF), ("kb", HALF), ("vw", U32), ("vs", HALF), ("vb", HALF)],
-                  [("o_acc", "float"), ("o_max", "float"), ("o_sum", "float")] + ([("result", HALF)] if fused else []),
+                  [("state", "float"), ("result", HALF)] if fused
+                  else [("o_acc", "float"), ("o_max", "float"), ("o_sum", "float")],
                   [("T", HALF), ("S", HALF), ("D", HEAD_DIM), ("G", ROWS_PER_KV), ("BITS", bits), ("GS", GROUP),
                    ("WARPS", warps), ("BATCH", batch), ("CHUNK", chunk), ("SCALE", float_bits(scale))], name=f"body_{tag}")
     merge = kernel("decode_attention", "merge", [("acc", "float"), ("tops", "float"), ("totals", "float")],
@@ -179,10 +185,8 @@ def attention_program(bits: int, warps: int, batch: int, chunk: int, fused: bool
     launches = call(f"mlx::core::cu::body_{tag}", "dim3(1, H, splits)", f"dim3({32 * warps})",
                     ["q", "kw", "ks", "kb", "vw", "vs", "vb"], states, "decode_attention", section)
     if fused:
-        launches = ("CHECK(cudaMemsetAsync(o_acc, 0, size_t(H) * splits * G * D * 4, s)); "
-                    "CHECK(cudaMemsetAsync(o_max, 0, size_t(H) * splits * G * 4, s));\n            "
-                    "CHECK(cudaMemsetAsync(o_sum, 0, (size_t(H) * splits * G + H) * 4, s)); "
-                    "CHECK(cudaMemsetAsync(out, 0, size_t(H) * G * D * 2, s));\n            " + launches)
+        launches = ("FILL_ZERO(o_acc, (size_t(H) * splits * G * (D + 2) + H) * 4); "
+                    "FILL_ZERO(out, size_t(H) * G * D * 2);\n            " + launches)
     else:
         launches += "\n            " + call("mlx::core::cu::merge_kernel", "dim3(1, H * G)", "dim3(32)",
                                              ["acc", "tops", "totals"], ["out"], "decode_attention", "merge")
@@ -209,8 +213,9 @@ int main() {{
         }}
         __half* q = half_buffer(size_t(H) * G * D, -1.0f, 1.0f, 999);
         CHECK(cudaDeviceSynchronize());  // the fills ran on the legacy stream; `s` does not wait for it
-        float *o_acc, *o_max, *o_sum; __half* out;
-        CHECK(cudaMalloc(&o_acc, size_t(H) * splits * G * D * 4)); CHECK(cudaMalloc(&o_max, size_t(H) * splits * G * 4));
+        float *o_acc, *o_max, *o_sum; __half* out;  // fused: o_acc is big enough for the whole state
+        CHECK(cudaMalloc(&o_acc, (size_t(H) * splits * G * (D + 2) + H) * 4));
+        CHECK(cudaMalloc(&o_max, size_t(H) * splits * G * 4));
         CHECK(cudaMalloc(&o_sum, (size_t(H) * splits * G + H) * 4)); CHECK(cudaMalloc(&out, size_t(H) * G * D * 2));
         float *acc = o_acc, *tops = o_max, *totals = o_sum;
         const Shape kw_shape = shape4(1, H, n, words), acc_shape = shape4(H, splits, G, D);
@@ -223,7 +228,7 @@ int main() {{
             {launches}
         }};
         // One call against a float computation on the host (copy 0).
-        CHECK(cudaMemset(out, 0xff, size_t(H) * G * D * 2));  // NaNs: an unwritten output fails
+        CHECK(cudaMemset(out, 0xff, size_t(H) * G * D * 2));  // NaNs (zeros once a fused launch fills it): unwritten shows as error
         CHECK(cudaDeviceSynchronize());
         one(0);
         CHECK(cudaStreamSynchronize(s)); CHECK(cudaGetLastError());
@@ -272,7 +277,7 @@ int main() {{
 
 def expert_program(bits: int, warps: int, rows: int, slice_: int = 0) -> str:
     """Times one launch shape: the two launches, or (slice_ > 0) the fused one, which, as
-    under MLX's init_value, zeroes its outputs in the same graph before each launch."""
+    under MLX's init_value, zeroes each of its outputs with a fill kernel before each launch."""
     tag = f"b{bits}_w{warps}_r{rows}_s{slice_}"
     common = [("S", HALF), ("D", HIDDEN), ("H", EXPERT_HIDDEN), ("BITS", bits), ("GS", GROUP), ("WARPS", warps),
               ("ROWS", rows)]
@@ -283,8 +288,7 @@ def expert_program(bits: int, warps: int, rows: int, slice_: int = 0) -> str:
                          [("y", HALF), ("scratch", "float")],
                          [*common, ("SLICE", slice_), ("X", HALF), ("Y", HALF), ("K", TOP_K)], name=f"fused_{tag}")
         scratch = f"size_t(K) * {EXPERT_HIDDEN // slice_ * HIDDEN + 1}"
-        launches = (f"CHECK(cudaMemsetAsync(y, 0, size_t(K) * D * 2, s)); "
-                    f"CHECK(cudaMemsetAsync(scratch, 0, {scratch} * 4, s));\n        "
+        launches = (f"FILL_ZERO(y, size_t(K) * D * 2); FILL_ZERO(scratch, {scratch} * 4);\n        "
                     + call(f"mlx::core::cu::fused_{tag}", f"dim3({EXPERT_HIDDEN // slice_}, K)", f"dim3({32 * warps})",
                            [n for n, _ in inputs] + ["dw", "ds", "db"], ["y", "scratch"], "expert_swiglu", "fused"))
     else:

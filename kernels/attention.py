@@ -28,7 +28,7 @@ from .sources import kernel as build
 CHUNK = 256  # positions per threadgroup: 64 splits per KV head at 16K
 WARPS = 4  # simdgroups per threadgroup (their merge takes WARPS * G * D floats of its memory)
 BATCH = 4  # positions a simdgroup loads together
-FUSED = True  # under CUDA, merge the splits in the same launch ("body+last"); Metal keeps two
+FUSED = True  # under CUDA, merge the splits in the same launch ("state+body+last"); Metal keeps two
 
 
 def _fits(queries: mx.array, keys, values, group_size: int, bits: int) -> bool:
@@ -47,10 +47,12 @@ def kernel(queries, keys, values, scale: float, group_size: int, bits: int) -> m
     q = mx.contiguous(queries.reshape(b, hq * length, d))
     splits = -(-n // CHUNK)
     fused = _fused()
-    body = build(backend(), "decode_attention", "body+last" if fused else "body",
+    body = build(backend(), "decode_attention", "state+body+last" if fused else "body",
                  ("q", "kw", "ks", "kb", "vw", "vs", "vb"),
-                 ("o_acc", "o_max", "o_sum", "result") if fused else ("o_acc", "o_max", "o_sum"), contiguous=False)
-    states = [(b * hkv, splits, rows, d), (b * hkv, splits, rows)]
+                 ("state", "result") if fused else ("o_acc", "o_max", "o_sum"), contiguous=False)
+    states = [(b * hkv, splits, rows, d), (b * hkv, splits, rows), (b * hkv, splits, rows)]
+    # fused: the three states and a counter per (batch, KV head) in one float output
+    state_size = b * hkv * splits * rows * (d + 2) + b * hkv
     outputs = body(
         inputs=[q, *keys, *values],
         # T and S name the input dtypes though the body does not use them: MLX's CUDA
@@ -61,14 +63,12 @@ def kernel(queries, keys, values, scale: float, group_size: int, bits: int) -> m
                   ("SCALE", float_bits(scale))],
         grid=(32 * WARPS, b * hkv, splits),
         threadgroup=(32 * WARPS, 1, 1),
-        # fused: o_sum also holds a counter per (batch, KV head), and all start at zero
-        output_shapes=[*states, (b * hkv * splits * rows + b * hkv,), (b * hkv * rows, d)] if fused
-        else [*states, (b * hkv, splits, rows)],
-        output_dtypes=[mx.float32] * 3 + ([queries.dtype] if fused else []),
-        init_value=0.0 if fused else None,
+        output_shapes=[(state_size,), (b * hkv * rows, d)] if fused else states,
+        output_dtypes=[mx.float32, queries.dtype] if fused else [mx.float32] * 3,
+        init_value=0.0 if fused else None,  # the counters start at zero (MLX fills every output)
     )
     if fused:
-        return outputs[3].reshape(b, hq, length, d)
+        return outputs[1].reshape(b, hq, length, d)
     acc, top, total = outputs
     merge = build(backend(), "decode_attention", "merge", ("acc", "tops", "totals"), ("out",))
     (out,) = merge(

@@ -3,7 +3,7 @@
 // per (batch, KV head, split of CHUNK positions), WARPS warps taking batches of BATCH
 // positions round-robin, the 32 lanes splitting the head dimension, an online softmax per
 // query head in registers, warps merged in shared memory, splits merged by the second
-// kernel, `merge`, or, in one launch, by `last` appended to the body.
+// kernel, `merge`, or, in one launch, by `last` appended to the body (`state` before it).
 
 // --- header ---
 // A lane's EPL values of one cached row. Where they span at most 32 bits (head sizes up to
@@ -191,13 +191,22 @@ if (warp == 0) {
     }
 }
 
+// --- state ---
+// Prepended to the one-launch form ("state+body+last", CUDA): the splits' partial states
+// in one float output, `state` (o_acc, then o_max, then o_sum and a counter per (batch,
+// KV head)), because MLX's init_value fills every output with a kernel of its own: two
+// outputs (state, result) are two fills where four outputs were four.
+float* o_acc = state;
+float* o_max = o_acc + long(gridDim.y) * gridDim.z * G * D;
+float* o_sum = o_max + long(gridDim.y) * gridDim.z * G;
+
 // --- last ---
-// Appended to `body` ("body+last") for the one-launch form under CUDA: the last split of
-// each (batch, KV head) to finish merges every split, as `merge` does, into `result`. A
-// counter per (batch, KV head) sits after the splits' sums in `o_sum`, zeroed with the
-// outputs by the launch's init_value. The merge reads the splits in order, so the result
-// does not depend on which split finished last. MLX's cost per operation, not the
-// kernels, made most of a call on the H200: this is one launch where there were two.
+// Appended to the body for the one-launch form: the last split of each (batch, KV head)
+// to finish (the counters after o_sum, zeroed by the launch's init_value) merges every
+// split, as `merge` does and in the same order, into `result`. A warp takes a query row;
+// its lanes read 32 splits' maxima at a time, then the row's splits go by in order, each
+// split's weight shuffled from the lane that computed it, so the loads of 8 splits are in
+// flight together rather than one split's at a time.
 // output: result (B * Hkv * G, D) in T
 __threadfence();  // this thread's partial state is in memory before the count below
 __syncthreads();
@@ -211,16 +220,23 @@ if (last) {
     __threadfence();
     for (int g = warp; g < G; g += WARPS) {
         float top = neg_inf;
-        for (int s = 0; s < splits; s++) top = fmaxf(top, __ldcg(o_max + (bh * splits + s) * G + g));
+        for (int s = lane; s < splits; s += 32) top = fmaxf(top, __ldcg(o_max + (bh * splits + s) * G + g));
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) top = fmaxf(top, __shfl_xor_sync(0xffffffffu, top, o));
         float total = 0.0f, sums[EPL];
 #pragma unroll
         for (int i = 0; i < EPL; i++) sums[i] = 0.0f;
-        for (int s = 0; s < splits; s++) {  // past L1: other SMs wrote these
-            const int at = (bh * splits + s) * G + g;
-            const float f = __expf(__ldcg(o_max + at) - top);
-            total += f * __ldcg(o_sum + at);
+        for (int s0 = 0; s0 < splits; s0 += 32) {  // past L1 (__ldcg): other SMs wrote these
+            const int mine = min(s0 + lane, splits - 1), count = min(32, splits - s0);
+            const float weight = __expf(__ldcg(o_max + (bh * splits + mine) * G + g) - top);
+#pragma unroll 8
+            for (int j = 0; j < count; j++) {
+                const int at = (bh * splits + s0 + j) * G + g;
+                const float f = __shfl_sync(0xffffffffu, weight, j);
+                total += f * __ldcg(o_sum + at);
 #pragma unroll
-            for (int i = 0; i < EPL; i++) sums[i] += f * __ldcg(o_acc + long(at) * D + e0 + i);
+                for (int i = 0; i < EPL; i++) sums[i] += f * __ldcg(o_acc + long(at) * D + e0 + i);
+            }
         }
 #pragma unroll
         for (int i = 0; i < EPL; i++) result[long(bh * G + g) * D + e0 + i] = static_cast<T>(sums[i] / total);

@@ -27,7 +27,7 @@ def sections(filename: str) -> dict[str, str]:
 
 def body(filename: str, section: str) -> str:
     """A kernel's body: one section, or sections joined by '+' run one after the other in
-    one kernel ("body+last": decode attention with its splits merged at the end)."""
+    one kernel ("state+body+last": decode attention with its splits merged at the end)."""
     src = sections(filename)
     return "".join(src[part] for part in section.split("+"))
 

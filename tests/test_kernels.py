@@ -532,10 +532,10 @@ CUDA_BUILDS = {
         [("o_acc", "float"), ("o_max", "float"), ("o_sum", "float")],
         [("T", BF16), ("S", HALF), ("D", 128), ("G", 8), ("BITS", 4), ("GS", 64), ("WARPS", 4), ("BATCH", 4),
          ("CHUNK", 256), ("SCALE", 1040187392)]),  # 0.125
-    "decode_attention in one launch (body+last), float16 cache, 8 query rows of 128": assemble(
-        "decode_attention", "body+last",
+    "decode_attention in one launch (state+body+last), float16 cache, 8 query rows of 128": assemble(
+        "decode_attention", "state+body+last",
         [("q", BF16), ("kw", U32), ("ks", HALF), ("kb", HALF), ("vw", U32), ("vs", HALF), ("vb", HALF)],
-        [("o_acc", "float"), ("o_max", "float"), ("o_sum", "float"), ("result", BF16)],
+        [("state", "float"), ("result", BF16)],
         [("T", BF16), ("S", HALF), ("D", 128), ("G", 8), ("BITS", 4), ("GS", 64), ("WARPS", 4), ("BATCH", 4),
          ("CHUNK", 256), ("SCALE", 1040187392)]),
     "decode_attention merge, bfloat16 out": assemble(
@@ -637,16 +637,57 @@ def test_attention_kernel_source_computes_its_reference(dialect, bits, group_siz
                    {"out": (hkv * rows, d)}, {"T": "float", "D": d, "G": rows}, grid=(1, hkv * rows, 1), threads=32)
     got = out["out"].reshape(1, hq, 1, d)
     assert rel_err(got, reference.decode_attention(q, keys, values, scale, group_size, bits)) < 1e-5
-    # CUDA's one launch: the same body, and the last split of each KV head merges them all
-    if dialect == "cu":
-        fused = simt.run("decode_attention", "body+last", dialect, inputs,
-                         {"o_acc": (hkv, splits, rows, d), "o_max": (hkv, splits, rows),
-                          "o_sum": (hkv * splits * rows + hkv,), "result": (hkv * rows, d)},
-                         {"T": "float", "S": "float", "D": d, "G": rows, "BITS": bits, "GS": group_size,
-                          "WARPS": attention_module.WARPS, "BATCH": attention_module.BATCH,
-                          "CHUNK": attention_module.CHUNK, "SCALE": attention_module.float_bits(scale)},
-                         grid=(1, hkv, splits), threads=32 * attention_module.WARPS)
-        assert np.array_equal(fused["result"], out["out"])  # the same merge, in the same order
+    if dialect == "cu":  # CUDA's one launch: the same body, the last split merging them all
+        assert np.array_equal(run_one_launch(inputs, 1, hkv, rows, d, bits, group_size, scale), out["out"])
+
+
+def run_one_launch(inputs, batch, hkv, rows, d, bits, group_size, scale):
+    """decode_attention.cu's state+body+last under the SIMT emulation: -> (batch * hkv * rows, d)."""
+    import simt
+
+    splits = -(-inputs["kw"].shape[2] // attention_module.CHUNK)
+    got = simt.run("decode_attention", "state+body+last", "cu", inputs,
+                   {"state": (batch * hkv * splits * rows * (d + 2) + batch * hkv,), "result": (batch * hkv * rows, d)},
+                   {"T": "float", "S": "float", "D": d, "G": rows, "BITS": bits, "GS": group_size,
+                    "WARPS": attention_module.WARPS, "BATCH": attention_module.BATCH, "CHUNK": attention_module.CHUNK,
+                    "SCALE": attention_module.float_bits(scale)},
+                   grid=(1, batch * hkv, splits), threads=32 * attention_module.WARPS)
+    return got["result"]
+
+
+@pytest.mark.skipif(shutil.which("g++") is None, reason="no g++ to build the SIMT emulation")
+def test_the_one_launch_attention_source_merges_many_splits_of_a_batch(monkeypatch):
+    """Two sequences, 35 splits a KV head (past one round of 32 in the last split's merge,
+    the last round partial), each head's last split merging its own splits only: the
+    reference's output, and exactly the two-launch merge's, which sums in the same order."""
+    import simt
+
+    monkeypatch.setattr(attention_module, "CHUNK", 32)
+    batch, hq, hkv, n, d, bits, group_size = 2, 8, 2, 1100, 64, 4, 32
+    buffers = {p: [np.array(a) for a in mx.quantize(mx.random.normal((batch, hkv, n + 5, d)), group_size, bits)]
+               for p in "kv"}
+    keys, values = (tuple(mx.array(a)[:, :, :n] for a in buffers[p]) for p in "kv")
+    q, scale = mx.random.normal((batch, hq, 1, d)), d**-0.5
+    rows, splits = hq // hkv, -(-n // 32)
+    inputs = {"q": np.array(q.reshape(batch, hq, d))}
+    for p in "kv":
+        inputs |= {p + part: a[:, :, :n] for part, a in zip("wsb", buffers[p])}
+    got = run_one_launch(inputs, batch, hkv, rows, d, bits, group_size, scale)
+    assert splits == 35
+    assert rel_err(got.reshape(batch, hq, 1, d), reference.decode_attention(q, keys, values, scale, group_size,
+                                                                            bits)) < 1e-5
+    template = {"T": "float", "S": "float", "D": d, "G": rows, "BITS": bits, "GS": group_size,
+                "WARPS": attention_module.WARPS, "BATCH": attention_module.BATCH, "CHUNK": 32,
+                "SCALE": attention_module.float_bits(scale)}
+    parts = simt.run("decode_attention", "body", "cu", inputs,
+                     {"o_acc": (batch * hkv, splits, rows, d), "o_max": (batch * hkv, splits, rows),
+                      "o_sum": (batch * hkv, splits, rows)}, template,
+                     grid=(1, batch * hkv, splits), threads=32 * attention_module.WARPS)
+    out = simt.run("decode_attention", "merge", "cu", {"acc": parts["o_acc"], "tops": parts["o_max"],
+                                                       "totals": parts["o_sum"]},
+                   {"out": (batch * hkv * rows, d)}, {"T": "float", "D": d, "G": rows},
+                   grid=(1, batch * hkv * rows, 1), threads=32)
+    assert np.array_equal(got, out["out"])
 
 
 @pytest.mark.skipif(shutil.which("g++") is None, reason="no g++ to build the SIMT emulation")
