@@ -33,47 +33,70 @@ __device__ inline float lmsp_warp_sum(float v) {
 // changes, not what is summed in which order.
 __device__ inline int lmsp_staged(int c, int i) { return c * 32 + ((((i >> 2) ^ c) & 7) << 2) + (i & 3); }
 
+// The kernels' input row (x, or a pair's hidden vector) into shared memory in the staged
+// layout, `xs`, and each chunk's sum, `xsum`. Every thread of the block calls it. (The
+// arrays are template parameters so tests/simt.py can hand in its traced arrays.)
+template <int N, typename In, typename Staged, typename Sums>
+__device__ inline void lmsp_stage(const In* row, Staged& xs, Sums& xsum) {
+    for (int e = threadIdx.x; e < N; e += blockDim.x) xs[lmsp_staged(e >> 5, e & 31)] = static_cast<float>(row[e]);
+    __syncthreads();
+    for (int c = threadIdx.x; c < N / 32; c += blockDim.x) {
+        float s = 0.0f;
+        for (int i = 0; i < 32; i++) s += xs[lmsp_staged(c, i)];
+        xsum[c] = s;
+    }
+    __syncthreads();
+}
+
+// A warp's ROWS gate and up rows, `first` on, of `expert` (rows past H re-read row H - 1)
+// against the staged x: silu(gate) * up of each, on every lane. For each chunk a lane
+// takes it copies the chunk's 32 x values to registers once and reads that chunk of every
+// row, gate and up, so all their loads are in flight together.
+template <int ROWS, int BITS, int D, int H, int GS, typename S, typename Staged, typename Sums>
+__device__ inline void lmsp_gate_up_rows(const uint32_t* gw, const S* gs, const S* gb, const uint32_t* uw,
+                                         const S* us, const S* ub, int expert, int first, Staged& xs, Sums& xsum,
+                                         int lane, float* hidden) {
+    constexpr int CHUNKS = D / 32, WORDS = D * BITS / 32, GROUPS = D / GS, TRIPS = (CHUNKS + 31) / 32;
+    float g[ROWS], u[ROWS];
+#pragma unroll
+    for (int r = 0; r < ROWS; r++) g[r] = u[r] = 0.0f;
+#pragma unroll
+    for (int t = 0; t < TRIPS; t++) {
+        const int c = lane + 32 * t;
+        if (c < CHUNKS) {
+            float xc[32];
+#pragma unroll
+            for (int i = 0; i < 32; i++) xc[i] = xs[lmsp_staged(c, i)];
+#pragma unroll
+            for (int r = 0; r < ROWS; r++) {
+                const long row = long(expert) * H + min(first + r, H - 1);
+                const long q = row * GROUPS + c * 32 / GS;
+                g[r] += static_cast<float>(gs[q]) * lmsp_chunk_dot<BITS>(gw + row * WORDS + c * BITS, xc) + static_cast<float>(gb[q]) * xsum[c];
+                u[r] += static_cast<float>(us[q]) * lmsp_chunk_dot<BITS>(uw + row * WORDS + c * BITS, xc) + static_cast<float>(ub[q]) * xsum[c];
+            }
+        }
+    }
+#pragma unroll
+    for (int r = 0; r < ROWS; r++) {
+        const float gr = lmsp_warp_sum(g[r]), ur = lmsp_warp_sum(u[r]);
+        hidden[r] = gr / (1.0f + __expf(-gr)) * ur;
+    }
+}
+
 // --- gate_up ---
 // inputs: x (T, D), idx (T*K) uint32, gw/gs/gb and uw/us/ub (E, H, ...); output: hid (T*K, H) float
 const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
 const int pair = blockIdx.y, token = pair / K;
 const int expert = idx[pair];
-constexpr int CHUNKS = D / 32, WORDS = D * BITS / 32, GROUPS = D / GS, TRIPS = (CHUNKS + 31) / 32;
 __shared__ float xs[D];
-__shared__ float xsum[CHUNKS];
-for (int e = threadIdx.x; e < D; e += blockDim.x) xs[lmsp_staged(e >> 5, e & 31)] = static_cast<float>(x[token * D + e]);
-__syncthreads();
-for (int c = threadIdx.x; c < CHUNKS; c += blockDim.x) {
-    float s = 0.0f;
-    for (int i = 0; i < 32; i++) s += xs[lmsp_staged(c, i)];
-    xsum[c] = s;
-}
-__syncthreads();
+__shared__ float xsum[D / 32];
+lmsp_stage<D>(x + long(token) * D, xs, xsum);
 const int row0 = (blockIdx.x * WARPS + warp) * ROWS;
-float g[ROWS], u[ROWS];
+float hidden[ROWS];
+lmsp_gate_up_rows<ROWS, BITS, D, H, GS>(gw, gs, gb, uw, us, ub, expert, row0, xs, xsum, lane, hidden);
 #pragma unroll
-for (int r = 0; r < ROWS; r++) g[r] = u[r] = 0.0f;
-#pragma unroll
-for (int t = 0; t < TRIPS; t++) {
-    const int c = lane + 32 * t;
-    if (c < CHUNKS) {
-        float xc[32];
-#pragma unroll
-        for (int i = 0; i < 32; i++) xc[i] = xs[lmsp_staged(c, i)];
-#pragma unroll
-        for (int r = 0; r < ROWS; r++) {
-            const long row = long(expert) * H + min(row0 + r, H - 1);
-            const long q = row * GROUPS + c * 32 / GS;
-            g[r] += static_cast<float>(gs[q]) * lmsp_chunk_dot<BITS>(gw + row * WORDS + c * BITS, xc) + static_cast<float>(gb[q]) * xsum[c];
-            u[r] += static_cast<float>(us[q]) * lmsp_chunk_dot<BITS>(uw + row * WORDS + c * BITS, xc) + static_cast<float>(ub[q]) * xsum[c];
-        }
-    }
-}
-#pragma unroll
-for (int r = 0; r < ROWS; r++) {
-    const float gr = lmsp_warp_sum(g[r]), ur = lmsp_warp_sum(u[r]);
-    if (lane == 0 && row0 + r < H) hid[long(pair) * H + row0 + r] = gr / (1.0f + __expf(-gr)) * ur;
-}
+for (int r = 0; r < ROWS; r++)
+    if (lane == 0 && row0 + r < H) hid[long(pair) * H + row0 + r] = hidden[r];
 
 // --- down ---
 // inputs: hid (T*K, H) float, idx (T*K) uint32, dw/ds/db (E, D, ...); output: y (T*K, D)
@@ -81,16 +104,9 @@ const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
 const int pair = blockIdx.y;
 const int expert = idx[pair];
 constexpr int CHUNKS = H / 32, WORDS = H * BITS / 32, GROUPS = H / GS, TRIPS = (CHUNKS + 31) / 32;
-__shared__ float hs[H];
-__shared__ float hsum[CHUNKS];
-for (int e = threadIdx.x; e < H; e += blockDim.x) hs[lmsp_staged(e >> 5, e & 31)] = hid[long(pair) * H + e];
-__syncthreads();
-for (int c = threadIdx.x; c < CHUNKS; c += blockDim.x) {
-    float s = 0.0f;
-    for (int i = 0; i < 32; i++) s += hs[lmsp_staged(c, i)];
-    hsum[c] = s;
-}
-__syncthreads();
+__shared__ float xs[H];  // the pair's hidden vector, staged as gate_up stages x
+__shared__ float xsum[CHUNKS];
+lmsp_stage<H>(hid + long(pair) * H, xs, xsum);
 const int row0 = (blockIdx.x * WARPS + warp) * ROWS;
 float acc[ROWS];
 #pragma unroll
@@ -101,12 +117,12 @@ for (int t = 0; t < TRIPS; t++) {
     if (c < CHUNKS) {
         float hc[32];
 #pragma unroll
-        for (int i = 0; i < 32; i++) hc[i] = hs[lmsp_staged(c, i)];
+        for (int i = 0; i < 32; i++) hc[i] = xs[lmsp_staged(c, i)];
 #pragma unroll
         for (int r = 0; r < ROWS; r++) {
             const long row = long(expert) * D + min(row0 + r, D - 1);
             const long q = row * GROUPS + c * 32 / GS;
-            acc[r] += static_cast<float>(ds[q]) * lmsp_chunk_dot<BITS>(dw + row * WORDS + c * BITS, hc) + static_cast<float>(db[q]) * hsum[c];
+            acc[r] += static_cast<float>(ds[q]) * lmsp_chunk_dot<BITS>(dw + row * WORDS + c * BITS, hc) + static_cast<float>(db[q]) * xsum[c];
         }
     }
 }
@@ -133,46 +149,20 @@ constexpr int SLICES = H / SLICE, PER = SLICE / 32;
 const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
 const int slice = blockIdx.x, pair = blockIdx.y, pairs = gridDim.y, token = pair / K;
 const int expert = idx[pair];
-constexpr int CHUNKS = D / 32, WORDS = D * BITS / 32, GROUPS = D / GS, TRIPS = (CHUNKS + 31) / 32;
 constexpr int H_WORDS = H * BITS / 32, H_GROUPS = H / GS;
 __shared__ float xs[D];
-__shared__ float xsum[CHUNKS];
+__shared__ float xsum[D / 32];
 __shared__ float hsl[SLICE];
 __shared__ bool last;
-for (int e = threadIdx.x; e < D; e += blockDim.x) xs[lmsp_staged(e >> 5, e & 31)] = static_cast<float>(x[token * D + e]);
-__syncthreads();
-for (int c = threadIdx.x; c < CHUNKS; c += blockDim.x) {
-    float s = 0.0f;
-    for (int i = 0; i < 32; i++) s += xs[lmsp_staged(c, i)];
-    xsum[c] = s;
-}
-__syncthreads();
+lmsp_stage<D>(x + long(token) * D, xs, xsum);
 // The slice's gate and up rows, ROWS a warp at a time, as gate_up computes them.
 for (int r0 = warp * ROWS; r0 < SLICE; r0 += WARPS * ROWS) {
-    float g[ROWS], u[ROWS];
+    float hidden[ROWS];
+    lmsp_gate_up_rows<ROWS, BITS, D, H, GS>(gw, gs, gb, uw, us, ub, expert, slice * SLICE + r0, xs, xsum, lane,
+                                            hidden);
 #pragma unroll
-    for (int r = 0; r < ROWS; r++) g[r] = u[r] = 0.0f;
-#pragma unroll
-    for (int t = 0; t < TRIPS; t++) {
-        const int c = lane + 32 * t;
-        if (c < CHUNKS) {
-            float xc[32];
-#pragma unroll
-            for (int i = 0; i < 32; i++) xc[i] = xs[lmsp_staged(c, i)];
-#pragma unroll
-            for (int r = 0; r < ROWS; r++) {
-                const long row = long(expert) * H + slice * SLICE + r0 + r;
-                const long q = row * GROUPS + c * 32 / GS;
-                g[r] += static_cast<float>(gs[q]) * lmsp_chunk_dot<BITS>(gw + row * WORDS + c * BITS, xc) + static_cast<float>(gb[q]) * xsum[c];
-                u[r] += static_cast<float>(us[q]) * lmsp_chunk_dot<BITS>(uw + row * WORDS + c * BITS, xc) + static_cast<float>(ub[q]) * xsum[c];
-            }
-        }
-    }
-#pragma unroll
-    for (int r = 0; r < ROWS; r++) {
-        const float gr = lmsp_warp_sum(g[r]), ur = lmsp_warp_sum(u[r]);
-        if (lane == 0) hsl[r0 + r] = gr / (1.0f + __expf(-gr)) * ur;
-    }
+    for (int r = 0; r < ROWS; r++)
+        if (lane == 0) hsl[r0 + r] = hidden[r];
 }
 __syncthreads();
 // Every down row's slice against it: a thread a row, all threads reading the same hidden

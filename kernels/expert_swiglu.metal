@@ -90,14 +90,14 @@ const uint lane = thread_index_in_simdgroup, warp = simdgroup_index_in_threadgro
 const int pair = threadgroup_position_in_grid.y;
 const int expert = idx[pair];
 constexpr int CHUNKS = H / 32, WORDS = H * BITS / 32, GROUPS = H / GS, TRIPS = (CHUNKS + 31) / 32;
-threadgroup float hs[H];
-threadgroup float hsum[CHUNKS];
-for (int e = thread_index_in_threadgroup; e < H; e += threads_per_threadgroup.x) hs[lmsp_staged(e >> 5, e & 31)] = hid[long(pair) * H + e];
+threadgroup float xs[H];  // the pair's hidden vector, staged as gate_up stages x
+threadgroup float xsum[CHUNKS];
+for (int e = thread_index_in_threadgroup; e < H; e += threads_per_threadgroup.x) xs[lmsp_staged(e >> 5, e & 31)] = hid[long(pair) * H + e];
 threadgroup_barrier(mem_flags::mem_threadgroup);
 for (int c = thread_index_in_threadgroup; c < CHUNKS; c += threads_per_threadgroup.x) {
     float s = 0.0f;
-    for (int i = 0; i < 32; i++) s += hs[lmsp_staged(c, i)];
-    hsum[c] = s;
+    for (int i = 0; i < 32; i++) s += xs[lmsp_staged(c, i)];
+    xsum[c] = s;
 }
 threadgroup_barrier(mem_flags::mem_threadgroup);
 const int row0 = (threadgroup_position_in_grid.x * WARPS + warp) * ROWS;
@@ -107,11 +107,11 @@ for (int t = 0; t < TRIPS; t++) {
     const int c = int(lane) + 32 * t;
     if (c < CHUNKS) {
         float hc[32];
-        for (int i = 0; i < 32; i++) hc[i] = hs[lmsp_staged(c, i)];
+        for (int i = 0; i < 32; i++) hc[i] = xs[lmsp_staged(c, i)];
         for (int r = 0; r < ROWS; r++) {
             const long row = long(expert) * D + min(row0 + r, D - 1);
             const long q = row * GROUPS + c * 32 / GS;
-            acc[r] += float(ds[q]) * lmsp_chunk_dot<BITS>(dw + row * WORDS + c * BITS, hc) + float(db[q]) * hsum[c];
+            acc[r] += float(ds[q]) * lmsp_chunk_dot<BITS>(dw + row * WORDS + c * BITS, hc) + float(db[q]) * xsum[c];
         }
     }
 }

@@ -205,7 +205,7 @@ class Trace:
         return worst
 
 
-_SHARED = re.compile(r"^(\s*)(?:__shared__|threadgroup) float (.+);$", re.M)
+_SHARED = re.compile(r"^(\s*)(?:__shared__|threadgroup) float ([^;]+);[ \t]*(//.*)?$", re.M)
 
 
 def _logged(body: str) -> tuple[str, list[str]]:
@@ -219,10 +219,15 @@ def _logged(body: str) -> tuple[str, list[str]]:
             names.append(name)
         return match.group(1) + " ".join(decls)
 
-    body = _SHARED.sub(one, body)
+    return _at_lines(_SHARED.sub(one, body), names), names
+
+
+def _at_lines(text: str, names: list[str]) -> str:
+    """`name[` as `name(__LINE__)[` for each logged array: the access knows its line. Also
+    applied to the header, whose helpers take the arrays by these names."""
     for name in names:
-        body = re.sub(rf"\b{name}\[", f"{name}(__LINE__)[", body)
-    return body, names
+        text = re.sub(rf"\b{name}\[", f"{name}(__LINE__)[", text)
+    return text
 
 
 def run(stem: str, section: str, dialect: str, inputs: dict[str, np.ndarray], outputs: dict[str, tuple],
@@ -261,7 +266,8 @@ def run(stem: str, section: str, dialect: str, inputs: dict[str, np.ndarray], ou
                      for k, v in template.items())
     # `half` is a type in Metal: a body naming a variable so must not compile here either
     dialect_prelude = "#define half float\n" if dialect == "metal" else ""
-    code = (PRELUDE + dialect_prelude + src.get("header", "") + "\n" + "\n".join(lines)
+    header = _at_lines(src.get("header", ""), names)
+    code = (PRELUDE + dialect_prelude + header + "\n" + "\n".join(lines)
             + f"\nstatic void kernel_body({', '.join(params)}) {{\n{consts}{body}\n}}\n"
             + f"""static std::vector<int> trace_log;
 static std::mutex trace_lock;

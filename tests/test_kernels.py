@@ -799,7 +799,7 @@ def test_expert_kernel_sources_read_their_staged_vector_without_bank_conflicts(d
         down = quantized_experts(2, d, h, group_size, bits)
         inputs = {"hid": np.array(mx.random.normal((1, h))), "idx": idx,
                   **{n: np.array(a) for n, a in zip(("dw", "ds", "db"), down[:3])}}
-        outputs, template, staged = {"y": (1, d)}, {**common, "Y": "float"}, "hs"
+        outputs, template, staged = {"y": (1, d)}, {**common, "Y": "float"}, "xs"
     _, trace = simt.run("expert_swiglu", section, dialect, inputs, outputs, template,
                         grid=(1, 1, 1), threads=32 * expert_module.WARPS, trace=True)
     assert trace.worst(16)[staged] == 1
