@@ -62,6 +62,39 @@ __device__ inline void lmsp_reduce_scatter(const float* in, float* out, int lane
     }
 }
 
+// Query row g of (batch, KV head) bh: the splits' states (maxima, sums, accumulators)
+// rescaled to the overall maximum, summed in split order, normalised, written to out in
+// T. One warp: its lanes read 32 splits' maxima at a time, then the splits go by in
+// order, each split's weight shuffled from the lane that computed it, so the loads of 8
+// splits are in flight together. Loads go past L1 (__ldcg): in the one-launch form other
+// SMs wrote these during this kernel.
+template <int D, int G, typename T>
+__device__ inline void lmsp_merge_row(const float* tops, const float* totals, const float* acc, int bh, int splits,
+                                      int g, int lane, T* out) {
+    constexpr int EPL = D / 32;
+    float top = -cuda::std::numeric_limits<float>::infinity();
+    for (int s = lane; s < splits; s += 32) top = fmaxf(top, __ldcg(tops + (bh * splits + s) * G + g));
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) top = fmaxf(top, __shfl_xor_sync(0xffffffffu, top, o));
+    float total = 0.0f, sums[EPL];
+#pragma unroll
+    for (int i = 0; i < EPL; i++) sums[i] = 0.0f;
+    for (int s0 = 0; s0 < splits; s0 += 32) {
+        const int mine = min(s0 + lane, splits - 1), count = min(32, splits - s0);
+        const float weight = __expf(__ldcg(tops + (bh * splits + mine) * G + g) - top);
+#pragma unroll 8
+        for (int j = 0; j < count; j++) {
+            const int at = (bh * splits + s0 + j) * G + g;
+            const float f = __shfl_sync(0xffffffffu, weight, j);
+            total += f * __ldcg(totals + at);
+#pragma unroll
+            for (int i = 0; i < EPL; i++) sums[i] += f * __ldcg(acc + long(at) * D + lane * EPL + i);
+        }
+    }
+#pragma unroll
+    for (int i = 0; i < EPL; i++) out[long(bh * G + g) * D + lane * EPL + i] = static_cast<T>(sums[i] / total);
+}
+
 // --- body ---
 static_assert(BATCH >= 1 && BATCH <= 32 && (BATCH & (BATCH - 1)) == 0, "BATCH: a power of two up to 32");
 constexpr int EPL = D / 32;
@@ -203,10 +236,7 @@ float* o_sum = o_max + long(gridDim.y) * gridDim.z * G;
 // --- last ---
 // Appended to the body for the one-launch form: the last split of each (batch, KV head)
 // to finish (the counters after o_sum, zeroed by the launch's init_value) merges every
-// split, as `merge` does and in the same order, into `result`. A warp takes a query row;
-// its lanes read 32 splits' maxima at a time, then the row's splits go by in order, each
-// split's weight shuffled from the lane that computed it, so the loads of 8 splits are in
-// flight together rather than one split's at a time.
+// split into `result` with `merge`'s code (lmsp_merge_row), a warp a query row.
 // output: result (B * Hkv * G, D) in T
 __threadfence();  // this thread's partial state is in memory before the count below
 __syncthreads();
@@ -218,49 +248,10 @@ if (threadIdx.x == 0) {
 __syncthreads();
 if (last) {
     __threadfence();
-    for (int g = warp; g < G; g += WARPS) {
-        float top = neg_inf;
-        for (int s = lane; s < splits; s += 32) top = fmaxf(top, __ldcg(o_max + (bh * splits + s) * G + g));
-#pragma unroll
-        for (int o = 16; o > 0; o >>= 1) top = fmaxf(top, __shfl_xor_sync(0xffffffffu, top, o));
-        float total = 0.0f, sums[EPL];
-#pragma unroll
-        for (int i = 0; i < EPL; i++) sums[i] = 0.0f;
-        for (int s0 = 0; s0 < splits; s0 += 32) {  // past L1 (__ldcg): other SMs wrote these
-            const int mine = min(s0 + lane, splits - 1), count = min(32, splits - s0);
-            const float weight = __expf(__ldcg(o_max + (bh * splits + mine) * G + g) - top);
-#pragma unroll 8
-            for (int j = 0; j < count; j++) {
-                const int at = (bh * splits + s0 + j) * G + g;
-                const float f = __shfl_sync(0xffffffffu, weight, j);
-                total += f * __ldcg(o_sum + at);
-#pragma unroll
-                for (int i = 0; i < EPL; i++) sums[i] += f * __ldcg(o_acc + long(at) * D + e0 + i);
-            }
-        }
-#pragma unroll
-        for (int i = 0; i < EPL; i++) result[long(bh * G + g) * D + e0 + i] = static_cast<T>(sums[i] / total);
-    }
+    for (int g = warp; g < G; g += WARPS) lmsp_merge_row<D, G>(o_max, o_sum, o_acc, bh, splits, g, lane, result);
 }
 
 // --- merge ---
-// One warp per query row (batch, KV head, row of the group): the splits' states rescaled
-// to the overall maximum and summed, then normalised, in the queries' dtype T.
-constexpr int EPL = D / 32;
-const int lane = threadIdx.x % 32;
-const int row = blockIdx.y, bh = row / G, g = row % G;
-const int splits = acc_shape[1];
-float top = -cuda::std::numeric_limits<float>::infinity();
-for (int s = 0; s < splits; s++) top = fmaxf(top, tops[(bh * splits + s) * G + g]);
-float total = 0.0f, sums[EPL];
-#pragma unroll
-for (int i = 0; i < EPL; i++) sums[i] = 0.0f;
-for (int s = 0; s < splits; s++) {
-    const int at = (bh * splits + s) * G + g;
-    const float f = __expf(tops[at] - top);
-    total += f * totals[at];
-#pragma unroll
-    for (int i = 0; i < EPL; i++) sums[i] += f * acc[at * D + lane * EPL + i];
-}
-#pragma unroll
-for (int i = 0; i < EPL; i++) out[row * D + lane * EPL + i] = static_cast<T>(sums[i] / total);
+// One warp per query row (batch, KV head, row of the group), in the queries' dtype T.
+const int row = blockIdx.y;
+lmsp_merge_row<D, G>(tops, totals, acc, row / G, acc_shape[1], row % G, threadIdx.x % 32, out);
