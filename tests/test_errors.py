@@ -130,6 +130,9 @@ def test_unsupported_lmsp_version(client):
     r = client.post("/lmsp/v1/responses", json=ask(), headers={"LMSP-Version": "2.0"})
     doc = problem(r, 400, "unsupported_version")
     assert "2.0" in doc["detail"]
+    # A second header (a proxy's) does not slip past the check.
+    twice = client.post("/lmsp/v1/responses", json=ask(), headers=[("LMSP-Version", "1.0"), ("LMSP-Version", "2.0")])
+    assert problem(twice, 400, "unsupported_version")
     assert client.post("/lmsp/v1/responses", json=ask(), headers={"LMSP-Version": "1.0"}).status_code == 200
     # Not an LMSP route: liveness answers whatever version a prober sends.
     assert client.get("/healthz", headers={"LMSP-Version": "2.0"}).status_code == 200

@@ -79,8 +79,11 @@ def test_a_dropped_stream_resumes_without_gaps_or_duplicates(tasks_server, how):
 
 def test_a_bad_after_is_400(tasks_server):
     task = create(tasks_server, ask(max_output_tokens=2)).json()
-    r = httpx.get(f"{tasks_server.url}/lmsp/v1/tasks/{task['id']}/events", params={"after": "two"})
-    assert r.status_code == 400 and r.json()["param"] == "after"
+    url = f"{tasks_server.url}/lmsp/v1/tasks/{task['id']}/events"
+    for params, headers, where in (({"after": "two"}, {}, "after"), ({"after": "-1"}, {}, "after"),
+                                   ({"after": "9" * 20}, {}, "after"), ({}, {"Last-Event-ID": "9" * 26}, "Last-Event-ID")):
+        r = httpx.get(url, params=params, headers=headers)
+        assert r.status_code == 400 and r.json()["param"] == where, r.text
 
 
 def test_cancel_ends_the_stream_with_response_cancelled(tasks_server):

@@ -93,11 +93,14 @@ def create_app(engine: Engine, settings: ServerSettings, tokens: Tokens, db: Dat
     @app.before_request
     async def check_auth_and_version():
         authorize(tokens, app.view_functions.get(request.endpoint), request.method, request.path, request.headers)
-        version = request.headers.get("LMSP-Version")
-        if version is not None and version.strip() != LMSP_VERSION and request.path.startswith("/lmsp/"):
+        # Repeated headers (or one with a comma list) must all say 1.0: a proxy that added a
+        # second value does not get to pick the one this service reads.
+        versions = [v.strip() for h in request.headers.getlist("LMSP-Version") for v in h.split(",")]
+        wrong = [v for v in versions if v != LMSP_VERSION]
+        if wrong and request.path.startswith("/lmsp/"):
             raise Problem(
                 "unsupported_version",
-                f"LMSP-Version {version!r} is not supported; this service speaks {LMSP_VERSION}",
+                f"LMSP-Version {wrong[0]!r} is not supported; this service speaks {LMSP_VERSION}",
             )
 
     @app.before_websocket

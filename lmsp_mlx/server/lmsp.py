@@ -150,8 +150,8 @@ def _after() -> int:
         after = int(raw)
     except ValueError:
         raise Problem("invalid_request", f"{where} must be an event id (an integer), not {raw!r}", param=where) from None
-    if after < 0:
-        raise Problem("invalid_request", f"{where} must not be negative", param=where)
+    if not 0 <= after < 2**63:  # SQLite's INTEGER range; no stream gets near its top
+        raise Problem("invalid_request", f"{where} must be an event id from 0 to 2**63-1, not {after}", param=where)
     return after
 
 
