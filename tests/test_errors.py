@@ -169,6 +169,9 @@ def test_v1_errors_are_openai_shaped(client):
     assert r.status_code == 404
     err = r.json()["error"]
     assert err["code"] == "model_not_found" and "gpt-9" in err["message"] and err["param"] == "model"
+    assert err["type"] == "invalid_request_error"  # OpenAI's type for its 404s too
+    r = client.post("/v1/responses", json=ask(previous_response_id="resp_gone"))
+    assert r.status_code == 404 and r.json()["error"]["code"] == "previous_response_not_found"
     r = client.post("/v1/responses", content=b"{", headers={"content-type": "application/json"})
     assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
 

@@ -106,3 +106,30 @@ def test_requests_arriving_together_are_all_answered(tiny_server):
 
     with ThreadPoolExecutor(8) as pool:
         assert list(pool.map(one, range(8))) == [200] * 8
+
+
+def test_request_settings_come_back_and_objects_validate_against_the_openai_sdk(tiny_server):
+    """What a client set is what it reads back (sync, stored, streamed); nulls mean "not
+    given"; every object validates against the OpenAI SDK's own types, usage included."""
+    from openai.types.responses import Response
+
+    settings = {"metadata": {"run": "7"}, "parallel_tool_calls": False, "reasoning": {"effort": "low", "summary": "auto"},
+                "user": "u1", "prompt_cache_key": "k1", "safety_identifier": "s1", "max_tool_calls": 3,
+                "text": {"format": {"type": "text"}, "verbosity": "low"}}
+    body = {"model": "tiny", "input": "Count these tokens", "temperature": 0, "max_output_tokens": 4,
+            "stream": None, "store": None, "top_p": None, **settings}
+    sync = httpx.post(tiny_server.url + "/v1/responses", json=body, timeout=120).json()
+    stored = httpx.get(f"{tiny_server.url}/v1/responses/{sync['id']}").json()  # null store: OpenAI's default, stored
+    streamed = check_stream(tiny_server, body)
+    for resp in (sync, stored, streamed[-1]["response"]):
+        assert {k: resp[k] for k in settings} == settings
+        Response.model_validate(resp)
+        types.ResponseResource.model_validate(resp)
+        assert resp["usage"]["input_tokens_details"]["cache_write_tokens"] == \
+            resp["usage"]["input_tokens"] - resp["usage"]["input_tokens_details"]["cached_tokens"]
+    # Cut by the token limit: the item's done event says so, as the final response does.
+    done = [e["item"] for e in streamed if e["type"] == "response.output_item.done"]
+    assert streamed[-1]["type"] == "response.incomplete"
+    assert [i["status"] for i in done] == [o["status"] for o in streamed[-1]["response"]["output"]] == ["incomplete"]
+    bad = httpx.post(tiny_server.url + "/v1/responses", json={**body, "metadata": {"n": 1}}, timeout=30)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "metadata.n"

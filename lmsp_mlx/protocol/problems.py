@@ -49,7 +49,6 @@ TITLES = {
 _OPENAI_TYPES = {
     401: "authentication_error",
     403: "permission_error",
-    404: "not_found_error",
     429: "rate_limit_error",
     500: "server_error",
 }
@@ -90,5 +89,8 @@ class Problem(Exception):
         return doc
 
     def openai_error(self) -> dict[str, Any]:
-        kind = _OPENAI_TYPES.get(self.status, "invalid_request_error")
-        return {"message": self.detail, "type": kind, "code": self.code, "param": self.param}
+        kind = _OPENAI_TYPES.get(self.status, "invalid_request_error")  # OpenAI's 404s are invalid_request_error too
+        code = self.code
+        if code == "response_not_found" and self.param == "previous_response_id":
+            code = "previous_response_not_found"  # the code OpenAI's clients test for
+        return {"message": self.detail, "type": kind, "code": code, "param": self.param}

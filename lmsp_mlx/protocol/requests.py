@@ -212,6 +212,11 @@ class TextFormat(_Strict):
     model_config = ConfigDict(extra="allow", strict=True)
 
 
+class ReasoningSettings(_Strict):
+    effort: str | None = None
+    summary: str | None = None
+
+
 class ResponsesRequest(_Strict):
     model: str
     input: Union[str, list[InputItem]]
@@ -229,6 +234,15 @@ class ResponsesRequest(_Strict):
     instructions: str | None = None
     text: dict[str, Any] | None = None
     include: list[str] | None = None  # "reasoning.encrypted_content": sealed reasoning state
+    # Settings /v1 clients send and read back from the response object. They do not change
+    # generation here (one model, one sampler), but a client that set them sees them kept.
+    metadata: dict[str, str] | None = None
+    parallel_tool_calls: bool | None = None
+    reasoning: ReasoningSettings | None = None
+    max_tool_calls: Annotated[int, Field(ge=1)] | None = None
+    user: str | None = None
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
 
     @field_validator("temperature", "top_p", mode="before")
     @classmethod
@@ -268,6 +282,8 @@ def parse_request(body: Any, *, default_type: bool = True) -> ResponsesRequest:
     """Validate a decoded JSON body; every failure is a 400 `invalid_request` problem."""
     if not isinstance(body, dict):
         raise Problem("invalid_request", "the request body must be a JSON object")
+    # JSON null for an optional field means "not given" (OpenAI's clients send `"stream": null`).
+    body = {k: v for k, v in body.items() if v is not None}
     if default_type and isinstance(body.get("input"), list):
         # OpenAI's "easy input message" omits `type`; it means a message.
         body = dict(body)

@@ -6,6 +6,8 @@ from typing import Any, Literal, Union
 
 from pydantic import BaseModel, Field
 
+from .requests import ReasoningSettings
+
 Status = Literal["in_progress", "completed", "incomplete", "failed", "cancelled"]
 
 
@@ -115,13 +117,15 @@ def v1_item(item: OutputItem, status: str) -> dict[str, Any]:
 
 def v1_response(resp: ResponseObject, request: Any, completed_at: int | None) -> dict[str, Any]:
     """The same response as OpenAI-style clients expect it on /v1/responses."""
-    item_status = "completed" if resp.status == "completed" else (
-        "in_progress" if resp.status == "in_progress" else "incomplete"
-    )
-    output = [v1_item(item, item_status) for item in resp.output]
+    # Items before the last one ended when the next began; the last one shares the end.
+    last = {"completed": "completed", "in_progress": "in_progress"}.get(resp.status, "incomplete")
+    earlier = "in_progress" if resp.status == "in_progress" else "completed"
+    output = [v1_item(item, last if i == len(resp.output) - 1 else earlier) for i, item in enumerate(resp.output)]
+    reasoning = request.reasoning or ReasoningSettings()
+    text = request.text or {}
     usage = None
     if resp.usage is not None:
-        usage = {**resp.usage.model_dump(), "output_tokens_details": {"reasoning_tokens": 0}}
+        usage = v1_usage(resp.usage)
     error = None
     if resp.error is not None:
         error = {"code": resp.error.get("code", "server_error"), "message": resp.error.get("detail", "")}
@@ -139,24 +143,34 @@ def v1_response(resp: ResponseObject, request: Any, completed_at: int | None) ->
         "incomplete_details": {"reason": "max_output_tokens"} if resp.incomplete_details else None,
         "instructions": request.instructions,
         "max_output_tokens": request.max_output_tokens,
-        "max_tool_calls": None,
-        "metadata": {},
-        "parallel_tool_calls": True,
+        "max_tool_calls": request.max_tool_calls,
+        "metadata": request.metadata or {},
+        "parallel_tool_calls": True if request.parallel_tool_calls is None else request.parallel_tool_calls,
         "previous_response_id": request.previous_response_id,
-        "reasoning": {"effort": None, "summary": None},
+        "reasoning": {"effort": reasoning.effort, "summary": reasoning.summary},
         "store": request.store,
         "temperature": 1.0 if request.temperature is None else request.temperature,
         "top_p": 1.0 if request.top_p is None else request.top_p,
         "top_logprobs": 0,
         "presence_penalty": 0.0,
         "frequency_penalty": 0.0,
-        "text": {"format": (request.text or {}).get("format") or {"type": "text"}},
+        "text": {"format": text.get("format") or {"type": "text"},
+                 **({"verbosity": text["verbosity"]} if "verbosity" in text else {})},
         "tool_choice": request.tool_choice or "auto",
         "tools": request.tools or [],
         "truncation": "disabled",
         "service_tier": "default",
-        "prompt_cache_key": None,
-        "safety_identifier": None,
+        "prompt_cache_key": request.prompt_cache_key,
+        "safety_identifier": request.safety_identifier,
         "background": False,
-        "user": None,
+        "user": request.user,
     }
+
+
+def v1_usage(usage: ResponseUsage) -> dict[str, Any]:
+    """Usage as OpenAI's types have it: every prompt token not reused was prefilled into
+    the session's KV, which this server keeps for the next turn (`cache_write_tokens`)."""
+    out = usage.model_dump()
+    out["input_tokens_details"]["cache_write_tokens"] = usage.input_tokens - usage.input_tokens_details.cached_tokens
+    out["output_tokens_details"] = {"reasoning_tokens": 0}
+    return out

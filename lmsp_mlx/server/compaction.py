@@ -29,6 +29,7 @@ from ..cache.disk import SUFFIX, CheckpointStore, key_hash, read_header
 from ..engine.render import continuation_text
 from ..protocol.ids import new_id
 from ..protocol.requests import CompactionItem, InputItem, MessageItem, ResponsesRequest
+from ..protocol.responses import v1_usage
 from .conversation import sealed_problem
 from .sealing import Sealer, SealError
 
@@ -136,4 +137,4 @@ def compacted_object(items: list[InputItem], sealed: str, usage: Any) -> dict:
                "content": [{"type": "input_text", "text": i.text()}]} for i in users]
     output.append({"id": new_id("cmp"), "type": "compaction", "encrypted_content": sealed, "created_by": "lmsp-mlx"})
     return {"id": new_id("resp"), "object": "response.compaction", "created_at": int(time.time()), "output": output,
-            "usage": {**usage.model_dump(), "output_tokens_details": {"reasoning_tokens": 0}}}
+            "usage": v1_usage(usage)}

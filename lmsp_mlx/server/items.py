@@ -29,6 +29,7 @@ class ItemEvent:
     index: int
     item: OutputItem
     delta: str = ""
+    status: str = "completed"  # of a done item: "incomplete" when the token limit cut it
 
 
 class ItemFolder:
@@ -84,20 +85,22 @@ class ItemFolder:
         out.append(ItemEvent(name, self._open, self.items[self._open], text))
         return out
 
-    def close(self, ensure_message: bool = False) -> list[ItemEvent]:
+    def close(self, ensure_message: bool = False, status: str = "completed") -> list[ItemEvent]:
         """End the open item; at the turn's end (`ensure_message`) a reply with no item at
-        all still gets an (empty) message."""
+        all still gets an (empty) message. `status`: how the turn ended for the item it
+        cuts ("incomplete" at the token limit)."""
         self._held = ""
         out: list[ItemEvent] = []
         if self._open is not None:
             i = self._open
             item = self.items[i] = _with_text(self.items[i], "".join(self._parts))
             self._open, self._parts = None, []
-            out.append(ItemEvent("done", i, item))
+            out.append(ItemEvent("done", i, item, status=status))
         if ensure_message and not self.items:
             item = MessageOutput(id=new_id("msg"), content=[OutputTextPart(text="")])
             self.items.append(item)
-            out += [ItemEvent("added", 0, item.model_copy(update={"content": []})), ItemEvent("done", 0, item)]
+            out += [ItemEvent("added", 0, item.model_copy(update={"content": []})),
+                    ItemEvent("done", 0, item, status=status)]
         return out
 
     def snapshot(self) -> list[OutputItem]:

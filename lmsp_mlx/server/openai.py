@@ -47,7 +47,7 @@ async def get_model(model_id: str):
 async def create_response():
     body = await read_json()
     req = parse_request(body)
-    if isinstance(body, dict) and "store" not in body:
+    if isinstance(body, dict) and body.get("store") is None:
         req = req.model_copy(update={"store": True})  # OpenAI's default, which its clients rely on
     run = await start_run("v1", req)
     if not run.req.stream:
@@ -89,7 +89,7 @@ async def responses_socket():
                 raise Problem("invalid_request", 'expected a {"type": "response.create", ...} message', param="type")
             fields = {k: v for k, v in body.items() if k not in ("type", "stream", "background")}
             req = parse_request(fields)
-            if "store" not in fields:
+            if fields.get("store") is None:
                 req = req.model_copy(update={"store": True})  # as on HTTP
             run = await start_run("v1", req, local)
         except json.JSONDecodeError as exc:
@@ -171,7 +171,7 @@ def v1_item_events(e: ItemEvent) -> list[tuple[str, dict]]:
         out.append(("response.custom_tool_call_input.done", {**where, "input": e.item.input}))
     else:
         out.append(("response.function_call_arguments.done", {**where, "arguments": e.item.arguments}))
-    out.append(("response.output_item.done", {"output_index": e.index, "item": v1_item(e.item, "completed")}))
+    out.append(("response.output_item.done", {"output_index": e.index, "item": v1_item(e.item, e.status)}))
     return out
 
 

@@ -151,7 +151,8 @@ class ResponseRun:
         """Item-level events as the worker produces them; the final state is set at the end."""
         async for event in self.job.stream():
             if isinstance(event, Finished):
-                for e in self.folder.close(ensure_message=event.reason != "cancelled"):
+                cut = "incomplete" if event.reason == "length" else "completed"
+                for e in self.folder.close(ensure_message=event.reason != "cancelled", status=cut):
                     yield e
                 u = event.usage
                 self.usage = ResponseUsage(
