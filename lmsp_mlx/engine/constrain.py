@@ -55,6 +55,7 @@ class Constraint:
         # generate_step's token list starts with the token the worker sampled (and fed to
         # this constraint) last: the processor consumes what comes after it.
         self._seen = 1
+        self.consumed = 0  # reply tokens the matcher has seen, in order
 
     def apply(self, logits: mx.array) -> mx.array:
         """Logits with every token the grammar forbids at this point set to -inf."""
@@ -67,6 +68,14 @@ class Constraint:
 
     def consume(self, token: int) -> None:
         self.matcher.consume_token(token)
+        self.consumed += 1
+
+    def complete_after(self, reply: list[int]) -> bool:
+        """Whether the grammar has closed after the whole `reply` (its last tokens, sampled
+        after the processor last ran, are consumed here): nothing may follow."""
+        for token in reply[self.consumed:]:
+            self.consume(token)
+        return self.matcher.is_stopped()
 
     def __call__(self, tokens: mx.array, logits: mx.array) -> mx.array:
         """mlx-lm's logits-processor form: `tokens` are those fed so far in generate_step."""

@@ -46,9 +46,11 @@ class Usage:
 
 @dataclass(frozen=True)
 class Finished:
-    """`stop`: the model ended its turn; `length`: max_output_tokens; `cancelled`: the client left."""
+    """`stop`: the model ended its turn; `length`: max_output_tokens; `cancelled`: the client
+    left; `complete`: the reply's grammar closed on the last token the limit allowed, so
+    nothing could have followed but the end of the turn (which was not sampled)."""
 
-    reason: Literal["stop", "length", "cancelled"]
+    reason: Literal["stop", "length", "cancelled", "complete"]
     usage: Usage
     prefill_tps: float = 0.0
     decode_tps: float = 0.0

@@ -159,8 +159,10 @@ def generate(
     first = None
     reason = "length"
     produced = 0
+    reply: list[int] = []
     for token in sample_tokens(lm, params.prompt[-tail:], cache, sampler, params.max_tokens, params.constraint):
         sampled.append(token)
+        reply.append(token)
         if first is None:
             first = perf_counter()
         if token in lm.eos_token_ids:
@@ -175,6 +177,8 @@ def generate(
     detokenizer.finalize()
     if piece := detokenizer.last_segment:
         emit(TextDelta(piece))
+    if reason == "length" and params.constraint is not None and params.constraint.complete_after(reply):
+        reason = "complete"  # a call or JSON value that closed on the limit's last token is whole
     end = perf_counter()
     first = first or end
     prompt_len = len(params.prompt)

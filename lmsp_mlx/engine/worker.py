@@ -67,7 +67,7 @@ class Job:
 
 
 # Finished.reason -> the response status clients see, used in logs and metrics.
-_STATUS = {"stop": "completed", "length": "incomplete", "cancelled": "cancelled"}
+_STATUS = {"stop": "completed", "complete": "completed", "length": "incomplete", "cancelled": "cancelled"}
 
 
 @dataclass
