@@ -67,6 +67,8 @@ ROUTES = [
     ("GET", "/v1/models/tiny", None, "models:read"),
     ("POST", "/lmsp/v1/responses", ask(), "responses:write"),
     ("POST", "/v1/responses", ask(), "responses:write"),
+    ("POST", "/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
+     "responses:write"),
     ("POST", "/lmsp/v1/responses/compact", ask(max_output_tokens=2), "responses:write"),
     ("POST", "/v1/responses/compact", ask(max_output_tokens=2), "responses:write"),
     ("POST", "/lmsp/v1/tasks", {"request": ask()}, "responses:write"),

@@ -141,13 +141,13 @@ def test_the_openapi_document_lists_every_route(client, tiny_server):
                          ("/lmsp/v1/tasks", "post"), ("/lmsp/v1/tasks/{task_id}", "get"),
                          ("/lmsp/v1/tasks/{task_id}/events", "get"), ("/lmsp/v1/tasks/{task_id}/cancel", "post"),
                          ("/lmsp/v1/models", "get"), ("/lmsp/v1/openapi.json", "get"), ("/v1/responses", "post"),
-                         ("/v1/models", "get"), ("/healthz", "get"), ("/metrics", "get")]:
+                         ("/v1/chat/completions", "post"), ("/v1/models", "get"), ("/healthz", "get"), ("/metrics", "get")]:
         assert method in doc["paths"][path], path
     create = doc["paths"]["/lmsp/v1/responses"]["post"]
     assert create["security"] == [{"bearer": ["responses:write"]}]
     assert create["requestBody"]["content"]["application/json"]["schema"]["$ref"] == "#/components/schemas/ResponsesRequest"
     schemas = doc["components"]["schemas"]
-    assert {"ResponsesRequest", "ResponseObject", "Problem", "TaskCreate"} <= set(schemas)
+    assert {"ResponsesRequest", "ResponseObject", "Problem", "TaskCreate", "ChatRequest"} <= set(schemas)
     # Every reference resolves inside the document.
     import json
     import re

@@ -14,7 +14,7 @@ from .. import LMSP_VERSION
 from ..engine.worker import Engine
 from ..protocol.problems import Problem
 from ..store import Database, IdempotencyKeys, StoredResponses, TaskLog
-from . import lmsp, openai
+from . import chat, lmsp, openai
 from .auth import Tokens, authorize, requires
 from .sealing import Sealer
 from .state import ServerSettings, ServerState
@@ -62,6 +62,7 @@ def create_app(engine: Engine, settings: ServerSettings, tokens: Tokens, db: Dat
                                              Sealer(state_key, engine.model.fingerprint))
     app.register_blueprint(lmsp.bp)
     app.register_blueprint(openai.bp)
+    app.register_blueprint(chat.bp)
 
     @app.before_serving
     async def start_sweeper():

@@ -13,6 +13,7 @@ from typing import Any
 from quart import Quart
 
 from .. import LMSP_VERSION, __version__
+from ..protocol.chat import ChatRequest
 from ..protocol.problems import STATUS
 from ..protocol.requests import ResponsesRequest
 from ..protocol.responses import ResponseObject
@@ -22,7 +23,7 @@ _REF = "#/components/schemas/{model}"
 
 def _schemas() -> dict[str, Any]:
     schemas: dict[str, Any] = {}
-    for model in (ResponsesRequest, ResponseObject):
+    for model in (ResponsesRequest, ResponseObject, ChatRequest):
         schema = model.model_json_schema(ref_template=_REF)
         schemas.update(schema.pop("$defs", {}))
         schemas[model.__name__] = schema
@@ -63,7 +64,7 @@ def _operation(app: Quart, endpoint: str, method: str, path: str) -> dict[str, A
         op["parameters"] = [{"name": p, "in": "path", "required": True, "schema": {"type": "string"}} for p in params]
     body = {"/lmsp/v1/responses": "ResponsesRequest", "/v1/responses": "ResponsesRequest",
             "/lmsp/v1/responses/compact": "ResponsesRequest", "/v1/responses/compact": "ResponsesRequest",
-            "/lmsp/v1/tasks": "TaskCreate"}.get(path) if method == "post" else None
+            "/lmsp/v1/tasks": "TaskCreate", "/v1/chat/completions": "ChatRequest"}.get(path) if method == "post" else None
     if body:
         op["requestBody"] = {"required": True, "content": {"application/json": {"schema": {"$ref": _REF.format(model=body)}}}}
     if path.endswith("/responses/compact"):

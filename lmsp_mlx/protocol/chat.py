@@ -1,0 +1,260 @@
+"""POST /v1/chat/completions: OpenAI's Chat Completions body, as the Responses request the
+engine runs, and the completion objects and chunks it answers with.
+
+A chat request is a Responses request in other words: messages become input items (an
+assistant's `tool_calls` become function_call items, a `tool` message a function_call_output),
+`tools` lose their `function` wrapper, `max_completion_tokens` (or the older `max_tokens`) is
+`max_output_tokens`. So the same conversation reaches the same live KV whichever API a
+client speaks.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from typing import Annotated, Any, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from .ids import new_id
+from .problems import Problem
+from .requests import ResponsesRequest, parse_request
+from .responses import FunctionCallOutput, MessageOutput, ReasoningOutput, ResponseObject
+
+
+class _Chat(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+
+class TextPart(_Chat):
+    type: Literal["text"]
+    text: str
+
+
+class OtherPart(_Chat):
+    """Images, audio and files: reserved by LMSP 1.0 for later versions."""
+
+    type: Literal["image_url", "input_audio", "file", "refusal"]
+
+
+class CalledFunction(_Chat):
+    name: str
+    arguments: str
+
+
+class ToolCall(_Chat):
+    id: str
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+
+class ChatMessage(_Chat):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Union[str, list[Annotated[Union[TextPart, OtherPart], Field(discriminator="type")]], None] = None
+    name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+    reasoning_content: str | None = None  # what this server sends back for a reasoning model
+
+    def text(self) -> str:
+        if self.content is None or isinstance(self.content, str):
+            return self.content or ""
+        return "".join(p.text for p in self.content if isinstance(p, TextPart))
+
+
+class FunctionSpec(_Chat):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ChatTool(_Chat):
+    type: Literal["function"]
+    function: FunctionSpec
+
+
+class StreamOptions(_Chat):
+    include_usage: bool = False
+
+
+class ChatRequest(_Chat):
+    model: str
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+    max_tokens: Annotated[int, Field(ge=1)] | None = None
+    temperature: Annotated[float, Field(ge=0, le=2)] | None = None
+    top_p: Annotated[float, Field(gt=0, le=1)] | None = None
+    n: Annotated[int, Field(ge=1, le=1)] | None = None  # one choice: a second would be a second run
+    stop: Union[str, Annotated[list[str], Field(max_length=16)]] | None = None
+    tools: list[ChatTool] | None = None
+    tool_choice: Union[Literal["auto", "none", "required"], dict[str, Any]] | None = None
+    response_format: dict[str, Any] | None = None
+    logprobs: bool | None = None
+
+    @field_validator("temperature", "top_p", mode="before")
+    @classmethod
+    def _int_is_a_float(cls, value: Any) -> Any:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return float(value)
+        return value
+
+    def stops(self) -> list[str]:
+        stops = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
+        return [s for s in stops if s]
+
+
+def parse_chat(body: Any) -> ChatRequest:
+    """Validate a decoded body; every failure is a 400 `invalid_request` naming the field."""
+    if not isinstance(body, dict):
+        raise Problem("invalid_request", "the request body must be a JSON object")
+    body = {k: v for k, v in body.items() if v is not None}
+    try:
+        req = ChatRequest.model_validate(body)
+    except ValidationError as exc:
+        err = max(exc.errors(), key=lambda e: len(e["loc"]))
+        where = _location(err["loc"])
+        if err["type"] == "missing":
+            msg = f"missing required field {where}"
+        elif where == "n":
+            msg = "n must be 1: this server returns one choice per request"
+        else:
+            msg = f"{where}: {err['msg']}" if where else err["msg"]
+        raise Problem("invalid_request", msg, param=where or None) from None
+    if req.logprobs:
+        raise Problem("unsupported_capability", "logprobs are not returned by this server", param="logprobs")
+    return req
+
+
+_TAGS = {"text", "image_url", "input_audio", "file", "refusal"}
+
+
+def _location(loc: tuple) -> str:
+    """JSON path of a pydantic error location, without union-branch labels (a content
+    part's tag follows its index)."""
+    out, prev = "", None
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif "[" in part or part in ("str", "int", "float", "bool") or isinstance(prev, int) and part in _TAGS:
+            pass
+        else:
+            out += f".{part}" if out else part
+        prev = part
+    return out
+
+
+def to_responses(req: ChatRequest) -> tuple[ResponsesRequest, list[int]]:
+    """The Responses request of a chat request, and for each of its input items the index of
+    the message it came from (to name `messages[i]` in errors about `input[j]`)."""
+    items: list[dict[str, Any]] = []
+    origin: list[int] = []
+    for i, m in enumerate(req.messages):
+        if isinstance(m.content, list) and any(isinstance(p, OtherPart) and p.type != "refusal" for p in m.content):
+            raise Problem("unsupported_capability", "LMSP 1.0 defines text content only", param=f"messages[{i}].content")
+        if m.role == "tool":
+            if m.tool_call_id is None:
+                raise Problem("invalid_request", "a tool message needs tool_call_id", param=f"messages[{i}].tool_call_id")
+            items.append({"type": "function_call_output", "call_id": m.tool_call_id, "output": m.text()})
+        elif m.role == "assistant":
+            if m.reasoning_content:
+                items.append({"type": "reasoning", "summary": [{"type": "summary_text", "text": m.reasoning_content}]})
+                origin.append(i)
+            if m.text() or not m.tool_calls:
+                items.append({"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": m.text()}]})
+                origin.append(i)
+            for call in m.tool_calls or []:
+                items.append({"type": "function_call", "call_id": call.id, "name": call.function.name,
+                              "arguments": call.function.arguments})
+                origin.append(i)
+            continue
+        else:
+            items.append({"type": "message", "role": m.role, "content": m.text()})
+        origin.append(i)
+    tools = [{"type": "function", **t.function.model_dump(exclude_none=True)} for t in req.tools or []]
+    body: dict[str, Any] = {
+        "model": req.model, "input": items, "tools": tools or None, "tool_choice": _tool_choice(req.tool_choice),
+        "max_output_tokens": req.max_completion_tokens or req.max_tokens,
+        "temperature": req.temperature, "top_p": req.top_p, "response_format": _format(req.response_format),
+    }
+    return parse_request(body), origin
+
+
+def _tool_choice(choice: Any) -> Any:
+    if not isinstance(choice, dict):
+        return choice
+    name = (choice.get("function") or {}).get("name") if isinstance(choice.get("function"), dict) else None
+    if choice.get("type") != "function" or not isinstance(name, str):
+        raise Problem("invalid_request", 'tool_choice must be "auto", "none", "required" or '
+                      '{"type": "function", "function": {"name": ...}}', param="tool_choice")
+    return {"type": "function", "name": name}
+
+
+def _format(fmt: dict[str, Any] | None) -> dict[str, Any] | None:
+    """Chat's response_format has LMSP's shape already; `text` is the default."""
+    if fmt is None or fmt.get("type") == "text":
+        return None
+    if fmt.get("type") not in ("json_object", "json_schema"):
+        raise Problem("invalid_request", 'response_format.type must be "text", "json_object" or "json_schema"',
+                      param="response_format.type")
+    return fmt
+
+
+def chat_param(problem: Problem, origin: list[int]) -> Problem:
+    """The same problem with its `input[j]` param named as the message it came from."""
+    m = re.fullmatch(r"input\[(\d+)\](.*)", problem.param or "")
+    if m is None or int(m[1]) >= len(origin):
+        return problem
+    param = f"messages[{origin[int(m[1])]}]" + m[2].replace(".call_id", ".tool_call_id")
+    return Problem(problem.code, problem.detail.replace(problem.param, param), param=param, headers=problem.headers)
+
+
+def completion_id() -> str:
+    return new_id("chatcmpl")
+
+
+def chat_usage(resp: ResponseObject) -> dict[str, Any] | None:
+    u = resp.usage
+    if u is None:
+        return None
+    return {"prompt_tokens": u.input_tokens, "completion_tokens": u.output_tokens, "total_tokens": u.total_tokens,
+            "prompt_tokens_details": {"cached_tokens": u.input_tokens_details.cached_tokens},
+            "completion_tokens_details": {"reasoning_tokens": 0}}
+
+
+def tool_calls(output: list) -> list[dict[str, Any]]:
+    return [{"id": o.call_id, "type": "function", "function": {"name": o.name, "arguments": o.arguments}}
+            for o in output if isinstance(o, FunctionCallOutput)]
+
+
+def completion(cid: str, resp: ResponseObject, content: str | None, finish_reason: str) -> dict[str, Any]:
+    """A `chat.completion` object with its one choice."""
+    message: dict[str, Any] = {"role": "assistant", "content": content, "refusal": None}
+    reasoning = "".join(p.text for o in resp.output if isinstance(o, ReasoningOutput) for p in o.summary)
+    if reasoning:
+        message["reasoning_content"] = reasoning
+    calls = tool_calls(resp.output)
+    if calls:
+        message["tool_calls"] = calls
+    return {"id": cid, "object": "chat.completion", "created": resp.created_at, "model": resp.model,
+            "choices": [{"index": 0, "message": message, "logprobs": None, "finish_reason": finish_reason}],
+            "usage": chat_usage(resp), "system_fingerprint": None, "service_tier": "default"}
+
+
+def chunk(cid: str, model: str, delta: dict[str, Any] | None, finish_reason: str | None = None,
+          usage: Any = False) -> dict[str, Any]:
+    """A `chat.completion.chunk`; `delta=None` is the usage chunk (no choices). `usage`:
+    False leaves it out, None or an object puts it in (`stream_options.include_usage`)."""
+    out: dict[str, Any] = {"id": cid, "object": "chat.completion.chunk", "created": int(time.time()), "model": model,
+                           "system_fingerprint": None,
+                           "choices": [] if delta is None else [{"index": 0, "delta": delta, "logprobs": None,
+                                                                 "finish_reason": finish_reason}]}
+    if usage is not False:
+        out["usage"] = usage
+    return out
+
+
+def message_text(output: list) -> str:
+    return "".join(p.text for o in output if isinstance(o, MessageOutput) for p in o.content)

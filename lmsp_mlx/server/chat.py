@@ -1,0 +1,150 @@
+"""POST /v1/chat/completions: OpenAI's Chat Completions API over the same engine, KV
+sessions and tool-call continuation as /v1/responses (protocol/chat.py maps the body).
+
+The one thing Chat has that Responses does not is `stop`: the reply ends before the first
+stop sequence. Text that could be the start of one is held back until it is not, so a
+stream never shows a stop sequence's first characters; at a match the generation is
+cancelled like a client that left.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, AsyncIterator
+
+from quart import Blueprint
+
+from ..protocol.chat import (ChatRequest, chat_param, chat_usage, chunk, completion, completion_id, parse_chat,
+                             to_responses)
+from ..protocol.problems import Problem
+from ..protocol.responses import FunctionCallOutput, MessageOutput
+from .auth import requires
+from .run import ResponseRun, start_run
+from .sse import sse_response
+from .state import read_json
+
+bp = Blueprint("chat", __name__, url_prefix="/v1")
+
+
+@bp.post("/chat/completions")
+@requires("responses:write")
+async def create_chat_completion():
+    """OpenAI Chat Completions: one choice, sync or streamed as chat.completion.chunk events."""
+    chat = parse_chat(await read_json())
+    origin: list[int] = []
+    try:
+        req, origin = to_responses(chat)
+        run = await start_run("v1", req)
+    except Problem as problem:
+        raise chat_param(problem, origin) from None
+    reply = ChatReply(run, chat)
+    if not chat.stream:
+        return await reply.complete()
+    return sse_response(reply.chunks())
+
+
+class StopScanner:
+    """Cuts text at the first of `stops`, holding back a tail that may begin one."""
+
+    def __init__(self, stops: list[str]) -> None:
+        self.stops = stops
+        self.held = ""
+
+    def feed(self, text: str) -> tuple[str, bool]:
+        """The text that is safe to show, and whether a stop sequence was reached."""
+        text, self.held = self.held + text, ""
+        hits = [i for i in (text.find(s) for s in self.stops) if i >= 0]
+        if hits:
+            return text[: min(hits)], True
+        keep = max((k for s in self.stops for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
+        if keep:
+            text, self.held = text[:-keep], text[-keep:]
+        return text, False
+
+    def flush(self) -> str:
+        """At the end of a message, what was held back is text after all."""
+        text, self.held = self.held, ""
+        return text
+
+
+class ChatReply:
+    def __init__(self, run: ResponseRun, chat: ChatRequest) -> None:
+        self.run = run
+        self.chat = chat
+        self.id = completion_id()
+        self.scanner = StopScanner(chat.stops())
+        self.stopped = False  # by a stop sequence
+        self.calls = 0
+
+    async def deltas(self) -> AsyncIterator[dict[str, Any]]:
+        """The choice's deltas (content, reasoning_content, tool_calls) until the turn ends
+        or a stop sequence: after that, the events left are drained unseen."""
+        async for e in self.run.events():
+            if self.stopped:
+                continue
+            if e.kind == "text":
+                text, self.stopped = self.scanner.feed(e.delta)
+                if self.stopped:
+                    self.run.cancel()
+                if text:
+                    yield {"content": text}
+            elif e.kind == "reasoning":
+                yield {"reasoning_content": e.delta}
+            elif e.kind == "done" and isinstance(e.item, MessageOutput):
+                if held := self.scanner.flush():
+                    yield {"content": held}
+            elif e.kind == "done" and isinstance(e.item, FunctionCallOutput):
+                call = {"index": self.calls, "id": e.item.call_id, "type": "function",
+                        "function": {"name": e.item.name, "arguments": e.item.arguments}}
+                self.calls += 1
+                yield {"tool_calls": [call]}
+
+    def finish_reason(self) -> str:
+        if self.stopped:
+            return "stop"
+        if self.run.status == "incomplete":
+            return "length"
+        return "tool_calls" if self.calls else "stop"
+
+    def failure(self) -> Problem | None:
+        """Why the run ended without an answer: the generation failed, or the server is
+        shutting down (a stop sequence's cancel is an answer)."""
+        if self.run.status == "failed":
+            return Problem(self.run.error["code"], self.run.error["detail"])
+        if self.run.status == "cancelled" and not self.stopped:
+            return Problem("internal_error", "the server is shutting down")
+        return None
+
+    async def complete(self) -> dict[str, Any]:
+        content: list[str] = []
+        try:
+            async for d in self.deltas():
+                content.append(d.get("content", ""))
+        finally:
+            self.run.cancel()
+        if problem := self.failure():
+            raise problem
+        text = "".join(content)
+        return completion(self.id, self.run.response(), text if text or not self.calls else None, self.finish_reason())
+
+    async def chunks(self) -> AsyncIterator[str]:
+        """data: frames, as OpenAI streams them (no event names), ending with [DONE]."""
+        model, usage = self.chat.model, self.chat.stream_options and self.chat.stream_options.include_usage
+        nothing = None if usage else False  # with include_usage every chunk has `usage`, null until the last
+        try:
+            yield _data(chunk(self.id, model, {"role": "assistant", "content": ""}, usage=nothing))
+            async for d in self.deltas():
+                yield _data(chunk(self.id, model, d, usage=nothing))
+            if problem := self.failure():
+                yield _data({"error": problem.openai_error()})
+            else:
+                yield _data(chunk(self.id, model, {}, self.finish_reason(), usage=nothing))
+                if usage:
+                    yield _data(chunk(self.id, model, None, usage=chat_usage(self.run.response())))
+            yield "data: [DONE]\n\n"
+        finally:
+            self.run.cancel()
+
+
+def _data(obj: dict[str, Any]) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
