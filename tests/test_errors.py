@@ -103,6 +103,19 @@ def test_a_tool_output_for_an_unknown_call(client):
     items = [{"type": "function_call_output", "call_id": "call_1", "output": "{}"}]
     doc = problem(client.post("/lmsp/v1/responses", json=ask(input=items)), 400, "unknown_call_id")
     assert doc["param"] == "input[0].call_id"
+    # After a stored conversation the param still counts the request's own input.
+    first = client.post("/lmsp/v1/responses", json=ask(store=True)).json()
+    later = [{"type": "message", "role": "user", "content": "and?"}, *items]
+    doc = problem(client.post("/lmsp/v1/responses", json=ask(input=later, previous_response_id=first["id"])),
+                  400, "unknown_call_id")
+    assert doc["param"] == "input[1].call_id"
+
+
+def test_a_tool_name_offered_twice(client):
+    tool = {"type": "function", "name": "f", "parameters": {"type": "object"}}
+    doc = problem(client.post("/lmsp/v1/responses", json=ask(tools=[tool, {**tool, "description": "again"}])),
+                  400, "invalid_request")
+    assert doc["param"] == "tools[1].name" and "'f'" in doc["detail"]
 
 
 def test_unknown_model(client):

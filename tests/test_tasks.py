@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import sqlite3
 import time
+from contextlib import closing
 
 import httpx
 import pytest
@@ -90,9 +92,23 @@ def test_cancel_ends_the_stream_with_response_cancelled(tasks_server):
     task = create(tasks_server, ask(max_output_tokens=20000)).json()
     r = httpx.post(f"{tasks_server.url}/lmsp/v1/tasks/{task['id']}/cancel", timeout=30)
     assert r.status_code == 200 and r.json()["id"] == task["id"]
+    assert r.json()["status"] == "cancelled"  # the reply says the cancel took effect
     stream = events(tasks_server, task["id"])
     assert stream[-1]["event"] == "response.cancelled" and stream[-1]["data"]["status"] == "cancelled"
     assert wait_ended(tasks_server, task["id"])["status"] == "cancelled"
+
+
+def test_a_stored_tasks_response_is_in_progress_until_it_ends(tasks_server):
+    task = create(tasks_server, ask(max_output_tokens=20000, store=True)).json()
+    url = f"{tasks_server.url}/lmsp/v1/responses/{task['response_id']}"
+    running = httpx.get(url)
+    assert running.status_code == 200 and running.json()["status"] == "in_progress", running.text
+    httpx.post(f"{tasks_server.url}/lmsp/v1/tasks/{task['id']}/cancel", timeout=30)
+    wait_ended(tasks_server, task["id"])
+    assert httpx.get(url).json()["status"] == "cancelled"
+    unstored = create(tasks_server, ask(max_output_tokens=20000)).json()
+    assert httpx.get(f"{tasks_server.url}/lmsp/v1/responses/{unstored['response_id']}").status_code == 404
+    httpx.post(f"{tasks_server.url}/lmsp/v1/tasks/{unstored['id']}/cancel", timeout=30)
 
 
 def test_unknown_tasks_are_404(tasks_server):
@@ -120,13 +136,21 @@ def test_events_past_retention_are_410_and_the_result_stays(start_server, tiny_m
     assert httpx.get(f"{server.url}/lmsp/v1/tasks/{task['id']}").json()["response"]["usage"]["output_tokens"] == 3
 
 
+def stored_events(store: str, task_id: str) -> int:
+    with closing(sqlite3.connect(store)) as db:
+        return db.execute("SELECT count(*) FROM task_events WHERE task_id = ?", (task_id,)).fetchone()[0]
+
+
 def test_a_task_running_when_the_server_is_killed_is_failed_after_restart(start_server, tiny_model_dir, tmp_path):
     store = str(tmp_path / "store.sqlite3")
     args = ("--model", str(tiny_model_dir), "--model-id", "tiny", "--store", store)
     server = start_server(*args)
     task = create(server, ask(max_output_tokens=20000)).json()
     seen = events(server, task["id"], stop_after=6)
-    time.sleep(0.6)  # past one flush interval: some events are on disk
+    deadline = time.monotonic() + 60  # until a flush put those events on disk (a busy machine may be slow)
+    while stored_events(store, task["id"]) < 6:
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
     server.proc.kill()  # SIGKILL: no shutdown path runs
     server.proc.wait()
     again = start_server(*args)

@@ -195,6 +195,10 @@ def function_tools(tools: list[dict[str, Any]] | None, *, compat: bool) -> list[
             supported = "'function' and 'custom' tools are" if compat else "only 'function' tools are"
             raise Problem("unsupported_capability", f"tool type {kind!r} is not supported: {supported}",
                           param=f"{where}.type")
+        names = [t.name for t in out]
+        if len(set(names)) < len(names):  # a call names its tool: two of one name are ambiguous
+            twice = next(n for n in names if names.count(n) > 1)
+            raise Problem("invalid_request", f"tool name {twice!r} is offered twice", param=f"{where}.name")
     return out
 
 

@@ -131,9 +131,10 @@ def response_schema(req: ResponsesRequest, route: str) -> tuple[dict | bool | No
 
 
 def prepare(req: ResponsesRequest, route: str, tokenizer, calls: CallMemory,
-            reasoning: bool, head: str = "") -> tuple[Conversation, ReplySpec | None]:
+            reasoning: bool, head: str = "", offset: int = 0) -> tuple[Conversation, ReplySpec | None]:
     """The conversation to render, and the constraint on its reply (or None). `head`: the
-    compacted conversation's text the items continue (server/compaction.py)."""
+    compacted conversation's text the items continue (server/compaction.py). `offset`: the
+    items of the stored conversation (previous_response_id) before the request's own."""
     tools = function_tools(req.tools, compat=route == "v1")
     choice = tool_choice(req, tools)
     items = req.items()
@@ -150,8 +151,9 @@ def prepare(req: ResponsesRequest, route: str, tokenizer, calls: CallMemory,
     known = {i.call_id for i in items if isinstance(i, FunctionCallItem)}
     for index, item in enumerate(req.items()):
         if isinstance(item, FunctionCallOutputItem) and item.call_id not in known:
+            where = f"input[{index - offset}].call_id" if index >= offset else "previous_response_id"
             raise Problem("unknown_call_id", f"tool output for call {item.call_id!r}, which neither this request "
-                          "nor the server's live state contains", param=f"input[{index}].call_id")
+                          "nor the server's live state contains", param=where)
     if reasoning and not live:
         _check_reasoning(req.items(), calls)
     offered = [] if choice == "none" else tools

@@ -20,6 +20,8 @@ from .tasks import LiveTask
 
 bp = Blueprint("lmsp", __name__, url_prefix="/lmsp/v1")
 
+CANCEL_WAIT_S = 5.0
+
 
 @bp.get("")
 @bp.get("/")
@@ -136,6 +138,12 @@ async def cancel_task(task_id: str):
     live = state().tasks.live.get(task_id)
     if live is not None and live.owner == owner():
         live.run.cancel()
+        # The worker stops within a decode step or prefill chunk, so the reply can say
+        # `cancelled`; a queued task ends when its turn comes, so the wait is bounded.
+        try:
+            await asyncio.wait_for(live.wait(), CANCEL_WAIT_S)
+        except asyncio.TimeoutError:
+            pass
     return await _task_object(task_id)
 
 

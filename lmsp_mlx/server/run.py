@@ -103,7 +103,9 @@ class ResponseRun:
         items, head = await asyncio.to_thread(compaction.expand, items, self.req, self.sealer, self.histories,
                                               self.engine.pool.disk, lm.tokenizer, len(self.history))
         full = self.req.model_copy(update={"input": items})
-        conv, spec = prepare(full, self.route, lm.tokenizer, self.engine.calls, "reasoning" in lm.capabilities, head)
+        offset = max(0, len(items) - len(self.req.items()))  # the history's items before the request's own
+        conv, spec = prepare(full, self.route, lm.tokenizer, self.engine.calls, "reasoning" in lm.capabilities, head,
+                             offset)
         if self.compact:
             self.compacted = await asyncio.to_thread(conv.history, lm.tokenizer, self.engine.calls)
             if not self.compacted:
@@ -239,7 +241,12 @@ async def stored_response(response_id: str) -> Stored:
     """A response the caller's token stored; 404 `response_not_found` otherwise."""
     from .state import state
 
-    found = await asyncio.to_thread(state().responses.get, owner(), response_id)
+    s, who = state(), owner()
+    found = await asyncio.to_thread(s.responses.get, who, response_id)
+    if found is None:  # a stored task's response is kept when it ends; until then it is in progress
+        found = next((Stored(t.run.stored_request(), t.run.response().model_dump(mode="json"), None)
+                      for t in list(s.tasks.live.values())
+                      if t.run.id == response_id and t.owner == who and t.run.req.store and not t.done), None)
     if found is None:
         raise Problem("response_not_found", f"no stored response {response_id!r}")
     return found
