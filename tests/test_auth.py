@@ -75,6 +75,8 @@ ROUTES = [
     ("POST", "/lmsp/v1/tasks/task_x/cancel", None, "responses:write"),
     ("GET", "/lmsp/v1/responses/resp_x", None, "responses:read"),
     ("GET", "/v1/responses/resp_x", None, "responses:read"),
+    ("GET", "/v1/responses/resp_x/input_items", None, "responses:read"),
+    ("DELETE", "/v1/responses/resp_x", None, "responses:write"),
     ("GET", "/lmsp/v1/tasks/task_x", None, "responses:read"),
     ("GET", "/lmsp/v1/tasks/task_x/events", None, "responses:read"),
     ("GET", "/metrics", None, "admin"),

@@ -133,3 +133,24 @@ def test_request_settings_come_back_and_objects_validate_against_the_openai_sdk(
     assert [i["status"] for i in done] == [o["status"] for o in streamed[-1]["response"]["output"]] == ["incomplete"]
     bad = httpx.post(tiny_server.url + "/v1/responses", json={**body, "metadata": {"n": 1}}, timeout=30)
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "metadata.n"
+
+
+def test_input_items_are_listed_and_a_deleted_response_is_gone(tiny_server):
+    import openai
+
+    sdk = openai.OpenAI(base_url=tiny_server.url + "/v1", api_key="unused", max_retries=0)
+    said = ["first", "second", "third"]
+    r = sdk.responses.create(model="tiny", input=[{"role": "user", "content": t} for t in said], temperature=0,
+                             max_output_tokens=2)
+    items = sdk.responses.input_items.list(r.id)  # newest first, as on OpenAI
+    assert [i.content[0].text for i in items.data] == said[::-1]
+    assert len({i.id for i in items.data}) == 3 and all(i.type == "message" and i.role == "user" for i in items.data)
+    page = sdk.responses.input_items.list(r.id, order="asc", limit=2)
+    assert [i.content[0].text for i in page.data] == said[:2] and page.has_more
+    rest = sdk.responses.input_items.list(r.id, order="asc", after=page.data[-1].id)
+    assert [i.content[0].text for i in rest.data] == said[2:] and not rest.has_more
+    assert sdk.responses.delete(r.id) is None
+    for gone in (lambda: sdk.responses.retrieve(r.id), lambda: sdk.responses.delete(r.id),
+                 lambda: sdk.responses.input_items.list(r.id)):
+        with pytest.raises(openai.NotFoundError):
+            gone()

@@ -115,6 +115,26 @@ def v1_item(item: OutputItem, status: str) -> dict[str, Any]:
     }
 
 
+_ID_PREFIX = {"message": "msg", "function_call": "fc", "function_call_output": "fco", "reasoning": "rs",
+              "custom_tool_call": "ctc", "custom_tool_call_output": "ctco", "compaction": "cmp"}
+
+
+def v1_input_item(item: dict[str, Any], key: str) -> dict[str, Any]:
+    """A stored input item as OpenAI lists it: with an id (`key` makes one where the
+    client sent none), a status, and a message's text as content parts."""
+    item = dict(item)
+    if item.pop("custom", False):  # stored as the function call the engine renders (requests._plain)
+        item = {**{k: v for k, v in item.items() if k != "arguments"}, "type": "custom_tool_call",
+                "input": item["arguments"]}
+    kind = item.get("type", "message")
+    out = {**item, "id": item.get("id") or f"{_ID_PREFIX.get(kind, 'item')}_{key}"}
+    out.setdefault("status", "completed")
+    if kind == "message" and isinstance(item.get("content"), str):
+        part = "output_text" if item.get("role") == "assistant" else "input_text"
+        out["content"] = [{"type": part, "text": item["content"]}]
+    return out
+
+
 def v1_response(resp: ResponseObject, request: Any, completed_at: int | None) -> dict[str, Any]:
     """The same response as OpenAI-style clients expect it on /v1/responses."""
     # Items before the last one ended when the next began; the last one shares the end.

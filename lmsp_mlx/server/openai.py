@@ -6,15 +6,17 @@ deltas carry output_index/content_index, the stream ends with `data: [DONE]`.
 
 from __future__ import annotations
 
+import asyncio
 import json
 
-from quart import Blueprint, websocket
+from quart import Blueprint, request, websocket
 
 from ..protocol.problems import Problem
 from ..protocol.requests import parse_request
 from ..store.responses import Stored
-from ..protocol.responses import CustomToolCallOutput, MessageOutput, ReasoningOutput, ResponseObject, v1_item, v1_response
-from .auth import requires
+from ..protocol.responses import (CustomToolCallOutput, MessageOutput, ReasoningOutput, ResponseObject, v1_input_item,
+                                  v1_item, v1_response)
+from .auth import owner, requires
 from .items import ItemEvent
 from .run import ResponseRun, compact, start_run, stored_response
 from .sse import OpenResponsesEvents, V1Event, sse_response
@@ -71,6 +73,39 @@ async def get_response(response_id: str):
     stored = await stored_response(response_id)
     req = parse_request(stored.request)
     return v1_response(ResponseObject.model_validate(stored.response), req, stored.completed_at)
+
+
+@bp.delete("/responses/<response_id>")
+@requires("responses:write")
+async def delete_response(response_id: str):
+    """Delete a stored response."""
+    if not await asyncio.to_thread(state().responses.delete, owner(), response_id):
+        raise Problem("response_not_found", f"no stored response {response_id!r}")
+    return {"id": response_id, "object": "response", "deleted": True}
+
+
+@bp.get("/responses/<response_id>/input_items")
+@requires("responses:read")
+async def list_input_items(response_id: str):
+    """The input items of a stored response (its own, not those of the chain before it)."""
+    stored = await stored_response(response_id)
+    items = [v1_input_item(item, f"{response_id}_{i}") for i, item in enumerate(stored.request.get("input", []))]
+    order = request.args.get("order", "desc")
+    if order not in ("asc", "desc"):
+        raise Problem("invalid_request", 'order must be "asc" or "desc"', param="order")
+    limit = request.args.get("limit", "20")
+    if not limit.isdigit() or not 1 <= int(limit) <= 100:
+        raise Problem("invalid_request", "limit must be an integer from 1 to 100", param="limit")
+    items = items[::-1] if order == "desc" else items
+    after = request.args.get("after")
+    if after is not None:
+        ids = [item["id"] for item in items]
+        if after not in ids:
+            raise Problem("invalid_request", f"no input item {after!r} in this response", param="after")
+        items = items[ids.index(after) + 1:]
+    page = items[: int(limit)]
+    return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
+            "last_id": page[-1]["id"] if page else None, "has_more": len(items) > len(page)}
 
 
 @bp.websocket("/responses")

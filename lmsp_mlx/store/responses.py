@@ -43,6 +43,12 @@ class StoredResponses:
         )
         return Stored(json.loads(rows[0][0]), json.loads(rows[0][1]), rows[0][2]) if rows else None
 
+    def delete(self, owner: str, response_id: str) -> bool:
+        """Forget a stored response; a later response that continued it can no longer be
+        continued past it (its chain is broken there, as on OpenAI)."""
+        with self.db.transaction() as c:
+            return c.execute("DELETE FROM responses WHERE id = ? AND owner = ?", (response_id, owner)).rowcount > 0
+
     def conversation(self, owner: str, response_id: str,
                      local: dict[str, Stored] | None = None) -> list[dict[str, Any]] | None:
         """Every item of the stored chain ending at `response_id`, oldest first: each
