@@ -137,6 +137,18 @@ def test_prompt_over_the_context(start_server, tiny_model_dir):
     assert ok["status"] == "incomplete"
     assert ok["incomplete_details"] == {"reason": "context_length"}
     assert ok["usage"]["total_tokens"] == 64
+    # truncation "auto" (/v1): the oldest items go until the output asked for fits.
+    talk = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "word " * 20},
+            {"role": "assistant", "content": "word " * 20}, {"role": "user", "content": "hi"}]
+    body = {**ask(input=talk, max_output_tokens=8), "truncation": "auto"}
+    cut = httpx.post(server.url + "/v1/responses", json=body, timeout=60).json()
+    assert cut["truncation"] == "auto" and cut["usage"]["input_tokens"] + 8 <= 64, cut
+    assert cut["usage"]["output_tokens"] == 8
+    assert server.log().count("truncation=auto") == 2  # the oldest user message, then the assistant's
+    refused = httpx.post(server.url + "/v1/responses", json={**body, "truncation": "disabled"}, timeout=60)
+    assert refused.status_code == 400 and refused.json()["error"]["code"] == "context_length_exceeded"
+    alone = httpx.post(server.url + "/v1/responses", json={**body, "input": "word " * 100}, timeout=60)
+    assert alone.status_code == 400 and alone.json()["error"]["code"] == "context_length_exceeded"
 
 
 def test_unsupported_lmsp_version(client):

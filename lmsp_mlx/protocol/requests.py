@@ -241,6 +241,7 @@ class ResponsesRequest(_Strict):
     # Settings /v1 clients send and read back from the response object. They do not change
     # generation here (one model, one sampler), but a client that set them sees them kept.
     metadata: dict[str, str] | None = None
+    truncation: Literal["auto", "disabled"] | None = None  # auto: drop the oldest items to fit the context
     parallel_tool_calls: bool | None = None
     reasoning: ReasoningSettings | None = None
     max_tool_calls: Annotated[int, Field(ge=1)] | None = None

@@ -178,7 +178,7 @@ def v1_response(resp: ResponseObject, request: Any, completed_at: int | None) ->
                  **({"verbosity": text["verbosity"]} if "verbosity" in text else {})},
         "tool_choice": request.tool_choice or "auto",
         "tools": request.tools or [],
-        "truncation": "disabled",
+        "truncation": request.truncation or "disabled",
         "service_tier": "default",
         "prompt_cache_key": request.prompt_cache_key,
         "safety_identifier": request.safety_identifier,

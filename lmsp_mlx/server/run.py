@@ -22,7 +22,8 @@ from ..engine.output import OutputFormat
 from ..engine.worker import Engine
 from ..protocol.ids import new_id
 from ..protocol.problems import Problem
-from ..protocol.requests import InputItem, MessageItem, ResponsesRequest, parse_request
+from ..protocol.requests import (FunctionCallItem, FunctionCallOutputItem, InputItem, MessageItem, ReasoningItem,
+                                 ResponsesRequest, parse_request)
 from ..store.responses import Stored
 from ..protocol.responses import IncompleteDetails, InputTokensDetails, MessageOutput, ResponseObject, ResponseUsage
 from .auth import owner
@@ -102,19 +103,30 @@ class ResponseRun:
             raise Problem("invalid_request", "there is no conversation to compact: input is empty", param="input")
         items, head = await asyncio.to_thread(compaction.expand, items, self.req, self.sealer, self.histories,
                                               self.engine.pool.disk, lm.tokenizer, len(self.history))
-        full = self.req.model_copy(update={"input": items})
-        offset = max(0, len(items) - len(self.req.items()))  # the history's items before the request's own
-        conv, spec = prepare(full, self.route, lm.tokenizer, self.engine.calls, "reasoning" in lm.capabilities, head,
-                             offset)
-        if self.compact:
-            self.compacted = await asyncio.to_thread(conv.history, lm.tokenizer, self.engine.calls)
-            if not self.compacted:
-                raise Problem("unsupported_capability", "this model's chat template does not render a conversation "
-                              "that can be continued, so it cannot be compacted")
-            conv.items = conv.items + [MessageItem(role="user", content=compaction.SUMMARY_REQUEST)]
-        prompt, visible = await asyncio.to_thread(conv.prompt, lm.tokenizer, self.engine.calls)
+        ctx = lm.context_length
+        # truncation "auto" (OpenAI's): the oldest items go until the prompt leaves room for
+        # the output asked for; a conversation that cannot shrink enough is still a 400.
+        room_asked = min(self.req.max_output_tokens or 1, ctx // 2) if self.req.truncation == "auto" else 1
+        while True:
+            full = self.req.model_copy(update={"input": items})
+            offset = max(0, len(items) - len(self.req.items()))  # the history's items before the request's own
+            conv, spec = prepare(full, self.route, lm.tokenizer, self.engine.calls, "reasoning" in lm.capabilities,
+                                 head, offset)
+            if self.compact:
+                self.compacted = await asyncio.to_thread(conv.history, lm.tokenizer, self.engine.calls)
+                if not self.compacted:
+                    raise Problem("unsupported_capability", "this model's chat template does not render a "
+                                  "conversation that can be continued, so it cannot be compacted")
+                conv.items = conv.items + [MessageItem(role="user", content=compaction.SUMMARY_REQUEST)]
+            prompt, visible = await asyncio.to_thread(conv.prompt, lm.tokenizer, self.engine.calls)
+            if len(prompt.tokens) + room_asked <= ctx or self.req.truncation != "auto" \
+                    or (shorter := drop_oldest(items)) is None:
+                break
+            log.info("truncation=auto: %d prompt tokens leave no room for %d; dropping the oldest item",
+                     len(prompt.tokens), room_asked)
+            items = shorter
         constraint = await asyncio.to_thread(self._constraint, spec, prompt.text) if spec else None
-        n, ctx = len(prompt.tokens), lm.context_length
+        n = len(prompt.tokens)
         if n >= ctx:
             raise Problem(
                 "context_length_exceeded",
@@ -213,6 +225,24 @@ class ResponseRun:
 
 
 _ITEMS = TypeAdapter(list[InputItem])
+
+
+def drop_oldest(items: list[InputItem]) -> list[InputItem] | None:
+    """The conversation without its oldest item that is not a system or developer message,
+    or None when only those and the last item are left. A reasoning item goes with the calls
+    right after it (a replayed call of a reasoning model needs its reasoning), and a call
+    with its outputs."""
+    keep = lambda i: isinstance(i, MessageItem) and i.role in ("system", "developer")  # noqa: E731
+    first = next((k for k, item in enumerate(items[:-1]) if not keep(item)), None)
+    if first is None:
+        return None
+    last = first
+    if isinstance(items[first], ReasoningItem):
+        while last + 1 < len(items) - 1 and isinstance(items[last + 1], FunctionCallItem):
+            last += 1
+    calls = {i.call_id for i in items[first:last + 1] if isinstance(i, FunctionCallItem)}
+    return [item for k, item in enumerate(items) if not first <= k <= last
+            and not (isinstance(item, FunctionCallOutputItem) and item.call_id in calls)]
 
 
 async def compact(route: str) -> dict:
