@@ -98,6 +98,19 @@ def test_cancel_ends_the_stream_with_response_cancelled(tasks_server):
     assert wait_ended(tasks_server, task["id"])["status"] == "cancelled"
 
 
+def test_a_queued_task_is_cancelled_at_once(tasks_server):
+    running = create(tasks_server, ask(max_output_tokens=20000)).json()
+    waiting = create(tasks_server, ask(max_output_tokens=20000)).json()
+    assert httpx.get(f"{tasks_server.url}/lmsp/v1/tasks/{waiting['id']}").json()["status"] == "queued"
+    started = time.monotonic()
+    r = httpx.post(f"{tasks_server.url}/lmsp/v1/tasks/{waiting['id']}/cancel", timeout=30)
+    assert r.json()["status"] == "cancelled" and time.monotonic() - started < 2  # not after the running one
+    assert events(tasks_server, waiting["id"])[-1]["event"] == "response.cancelled"
+    assert httpx.get(f"{tasks_server.url}/lmsp/v1/tasks/{running['id']}").json()["status"] == "in_progress"
+    httpx.post(f"{tasks_server.url}/lmsp/v1/tasks/{running['id']}/cancel", timeout=30)
+    assert "withdrawn from the queue" in tasks_server.log()
+
+
 def test_a_stored_tasks_response_is_in_progress_until_it_ends(tasks_server):
     task = create(tasks_server, ask(max_output_tokens=20000, store=True)).json()
     url = f"{tasks_server.url}/lmsp/v1/responses/{task['response_id']}"

@@ -71,11 +71,13 @@ class Constraint:
         self.consumed += 1
 
     def complete_after(self, reply: list[int]) -> bool:
-        """Whether the grammar has closed after the whole `reply` (its last tokens, sampled
-        after the processor last ran, are consumed here): nothing may follow."""
+        """Whether the grammar closed with the whole `reply`: nothing may follow. (mlx-lm's
+        generate_step feeds each token to the processor before yielding it, so the matcher
+        has normally seen them all; any it has not are consumed here.) A matcher in error
+        is stopped too, but its reply is not complete."""
         for token in reply[self.consumed:]:
             self.consume(token)
-        return self.matcher.is_stopped()
+        return self.matcher.is_stopped() and not self.matcher.is_error()
 
     def __call__(self, tokens: mx.array, logits: mx.array) -> mx.array:
         """mlx-lm's logits-processor form: `tokens` are those fed so far in generate_step."""

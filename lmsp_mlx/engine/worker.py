@@ -72,11 +72,13 @@ _STATUS = {"stop": "completed", "complete": "completed", "length": "incomplete",
 
 @dataclass
 class Counters:
-    """What /metrics reports; written by the worker thread only."""
+    """What /metrics reports; written by the worker thread, and by the event loop for a
+    job withdrawn from the queue (hence the lock)."""
 
     requests: dict[str, int] = field(default_factory=dict)  # by final status
     prompt_tokens: int = 0
     output_tokens: int = 0
+    lock: threading.Lock = field(default_factory=threading.Lock)
 
 
 @dataclass(frozen=True)
@@ -129,6 +131,21 @@ class Engine:
         self.cancel_all()
         self._jobs.put(None)
         self._thread.join(timeout=300)  # it checkpoints the resident sessions before ending
+
+    def withdraw(self, job: Job) -> bool:
+        """End a cancelled job that is still waiting now, off the queue, so its client hears
+        `cancelled` without waiting for the jobs ahead of it. False when the worker has it
+        (it stops at its next step) or it has ended."""
+        with self._jobs.mutex:
+            try:
+                self._jobs.queue.remove(job)
+            except ValueError:
+                return False
+            self._jobs.not_full.notify()
+        n = len(job.params.prompt)
+        job.emit(Finished("cancelled", Usage(n, 0)))
+        self._log(job, self.model, "cancelled", Usage(n, 0), 0.0, 0.0, " withdrawn from the queue")
+        return True
 
     @property
     def queued(self) -> int:
@@ -254,9 +271,10 @@ class Engine:
 
     def _log(self, job: Job, lm: LoadedModel, status: str, usage: Usage, prefill: float, decode: float, extra: str = "") -> None:
         c = self.counters
-        c.requests[status] = c.requests.get(status, 0) + 1
-        c.prompt_tokens += usage.input_tokens
-        c.output_tokens += usage.output_tokens
+        with c.lock:
+            c.requests[status] = c.requests.get(status, 0) + 1
+            c.prompt_tokens += usage.input_tokens
+            c.output_tokens += usage.output_tokens
         log.info(
             "request route=%s model=%s prompt_tokens=%d cached_tokens=%d output_tokens=%d prefill_tps=%.1f "
             "decode_tps=%.1f status=%s%s",

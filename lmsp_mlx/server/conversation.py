@@ -151,11 +151,12 @@ def prepare(req: ResponsesRequest, route: str, tokenizer, calls: CallMemory,
     known = {i.call_id for i in items if isinstance(i, FunctionCallItem)}
     for index, item in enumerate(req.items()):
         if isinstance(item, FunctionCallOutputItem) and item.call_id not in known:
-            where = f"input[{index - offset}].call_id" if index >= offset else "previous_response_id"
+            where = _input_path(index, offset)
+            where += ".call_id" if where != "previous_response_id" else ""
             raise Problem("unknown_call_id", f"tool output for call {item.call_id!r}, which neither this request "
                           "nor the server's live state contains", param=where)
     if reasoning and not live:
-        _check_reasoning(req.items(), calls)
+        _check_reasoning(req.items(), calls, offset)
     offered = [] if choice == "none" else tools
     conv = Conversation(items, req.instructions, offered, native_tools(tokenizer), live, head)
     return conv, reply_spec(req, route, choice, tools)
@@ -183,7 +184,13 @@ def open_reasoning(items: list[InputItem], sealer: Sealer, offset: int = 0) -> N
             item._raw = raw if isinstance(raw, str) else None
 
 
-def _check_reasoning(items: list[InputItem], calls: CallMemory) -> None:
+def _input_path(index: int, offset: int) -> str:
+    """Where item `index` of the conversation is in the client's request: its input, or
+    the stored conversation its previous_response_id names (the first `offset` items)."""
+    return f"input[{index - offset}]" if index >= offset else "previous_response_id"
+
+
+def _check_reasoning(items: list[InputItem], calls: CallMemory, offset: int) -> None:
     """A replayed tool-call turn of a reasoning model needs its reasoning item, unless the
     server still has that turn's state (live or checkpointed: its calls are remembered)."""
     since_user = []
@@ -194,6 +201,7 @@ def _check_reasoning(items: list[InputItem], calls: CallMemory) -> None:
         since_user.append(item)
         if isinstance(item, FunctionCallItem) and calls.get(item.call_id) is None \
                 and not any(isinstance(i, ReasoningItem) for i in since_user):
-            raise Problem("reasoning_state_missing", f"input[{index}] replays a tool call of a reasoning model "
+            where = _input_path(index, offset)
+            raise Problem("reasoning_state_missing", f"{where} replays a tool call of a reasoning model "
                           "without its reasoning item, and the server has no state for that turn; include the "
-                          "reasoning item returned with the call", param=f"input[{index}]")
+                          "reasoning item returned with the call", param=where)

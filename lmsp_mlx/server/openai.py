@@ -79,6 +79,8 @@ async def get_response(response_id: str):
 @requires("responses:write")
 async def delete_response(response_id: str):
     """Delete a stored response."""
+    if (await stored_response(response_id)).completed_at is None:  # 404 unless stored
+        raise Problem("invalid_request", f"response {response_id!r} is still in progress; cancel its task first")
     if not await asyncio.to_thread(state().responses.delete, owner(), response_id):
         raise Problem("response_not_found", f"no stored response {response_id!r}")
     return {"id": response_id, "object": "response", "deleted": True}

@@ -104,27 +104,27 @@ class ResponseRun:
         items, head = await asyncio.to_thread(compaction.expand, items, self.req, self.sealer, self.histories,
                                               self.engine.pool.disk, lm.tokenizer, len(self.history))
         ctx = lm.context_length
+        conv, spec, prompt, visible = await self._render(items, head)
         # truncation "auto" (OpenAI's): the oldest items go until the prompt leaves room for
         # the output asked for; a conversation that cannot shrink enough is still a 400.
-        room_asked = min(self.req.max_output_tokens or 1, ctx // 2) if self.req.truncation == "auto" else 1
-        while True:
-            full = self.req.model_copy(update={"input": items})
-            offset = max(0, len(items) - len(self.req.items()))  # the history's items before the request's own
-            conv, spec = prepare(full, self.route, lm.tokenizer, self.engine.calls, "reasoning" in lm.capabilities,
-                                 head, offset)
-            if self.compact:
-                self.compacted = await asyncio.to_thread(conv.history, lm.tokenizer, self.engine.calls)
-                if not self.compacted:
-                    raise Problem("unsupported_capability", "this model's chat template does not render a "
-                                  "conversation that can be continued, so it cannot be compacted")
-                conv.items = conv.items + [MessageItem(role="user", content=compaction.SUMMARY_REQUEST)]
-            prompt, visible = await asyncio.to_thread(conv.prompt, lm.tokenizer, self.engine.calls)
-            if len(prompt.tokens) + room_asked <= ctx or self.req.truncation != "auto" \
-                    or (shorter := drop_oldest(items)) is None:
-                break
-            log.info("truncation=auto: %d prompt tokens leave no room for %d; dropping the oldest item",
-                     len(prompt.tokens), room_asked)
-            items = shorter
+        room_asked = min(self.req.max_output_tokens or 1, ctx // 2)
+        if self.req.truncation == "auto" and len(prompt.tokens) + room_asked > ctx:
+            shorter = [items]  # shorter[k]: the conversation without its k oldest items
+            while (fewer := drop_oldest(shorter[-1])) is not None:
+                shorter.append(fewer)
+            low, high = 1, len(shorter) - 1  # the fewest drops that fit: prompts shrink as k grows
+            while low < high:
+                mid = (low + high) // 2
+                if len((await self._render(shorter[mid], head))[2].tokens) + room_asked <= ctx:
+                    high = mid
+                else:
+                    low = mid + 1
+            if high >= 1:
+                log.info("truncation=auto: %d prompt tokens leave no room for %d output tokens; "
+                         "dropped the oldest item (a call with its outputs) %d times", len(prompt.tokens), room_asked,
+                         high)
+                items = shorter[high]
+                conv, spec, prompt, visible = await self._render(items, head)
         constraint = await asyncio.to_thread(self._constraint, spec, prompt.text) if spec else None
         n = len(prompt.tokens)
         if n >= ctx:
@@ -146,6 +146,24 @@ class ResponseRun:
         )
         self.job = self.engine.submit(params, self.route, text=prompt.text, conv=conv, visible=visible,
                                       keep_history=self.compacted)
+
+    async def _render(self, items: list[InputItem], head: str):
+        """The conversation of `items`, its reply constraint, its prompt and visible text."""
+        lm = self.engine.model
+        full = self.req.model_copy(update={"input": items})
+        # The stored conversation's items before the request's own (negative: a compaction
+        # or truncation dropped some of the request's own from the front).
+        offset = len(items) - len(self.req.items())
+        conv, spec = prepare(full, self.route, lm.tokenizer, self.engine.calls, "reasoning" in lm.capabilities,
+                             head, offset)
+        if self.compact:
+            self.compacted = await asyncio.to_thread(conv.history, lm.tokenizer, self.engine.calls)
+            if not self.compacted:
+                raise Problem("unsupported_capability", "this model's chat template does not render a "
+                              "conversation that can be continued, so it cannot be compacted")
+            conv.items = conv.items + [MessageItem(role="user", content=compaction.SUMMARY_REQUEST)]
+        prompt, visible = await asyncio.to_thread(conv.prompt, lm.tokenizer, self.engine.calls)
+        return conv, spec, prompt, visible
 
     def _constraint(self, spec: ReplySpec, prompt_text: str) -> Constraint | None:
         """The reply's grammar, compiled before any generation (a failure is a 400)."""
@@ -199,6 +217,8 @@ class ResponseRun:
         """The client left: stop the worker at its next prefill chunk or decode step."""
         if self.job is not None and self.status == "in_progress":
             self.job.cancel()
+            if not self.job.started:
+                self.engine.withdraw(self.job)
 
     def response(self) -> ResponseObject:
         return ResponseObject(
@@ -272,11 +292,13 @@ async def stored_response(response_id: str) -> Stored:
     from .state import state
 
     s, who = state(), owner()
-    found = await asyncio.to_thread(s.responses.get, who, response_id)
-    if found is None:  # a stored task's response is kept when it ends; until then it is in progress
-        found = next((Stored(t.run.stored_request(), t.run.response().model_dump(mode="json"), None)
-                      for t in list(s.tasks.live.values())
-                      if t.run.id == response_id and t.owner == who and t.run.req.store and not t.done), None)
+    # A stored task's response is kept when it ends: the live task answers first, so a GET
+    # as it ends finds one or the other.
+    found = next((Stored(t.run.stored_request(), t.run.response().model_dump(mode="json"), t.run.completed_at)
+                  for t in list(s.tasks.live.values()) if t.run.id == response_id and t.owner == who and t.run.req.store),
+                 None)
+    if found is None:
+        found = await asyncio.to_thread(s.responses.get, who, response_id)
     if found is None:
         raise Problem("response_not_found", f"no stored response {response_id!r}")
     return found
