@@ -42,7 +42,7 @@ def test_a_streamed_chat_has_the_sync_reply_and_usage_last(sdk):
     for c in chunks:
         ChatCompletionChunk.model_validate(c.model_dump())
     assert chunks[0].choices[0].delta.role == "assistant"
-    assert len({c.id for c in chunks}) == 1
+    assert len({c.id for c in chunks}) == 1 and len({c.created for c in chunks}) == 1
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == sync.choices[0].message.content
     *body, last, usage = chunks
     assert last.choices[0].finish_reason == sync.choices[0].finish_reason == "length"
@@ -110,6 +110,14 @@ def test_tool_calls_and_the_turn_after_them_continue_the_live_kv(start_server, c
     held = first.usage.prompt_tokens + first.usage.completion_tokens + 1  # + the end-of-turn token
     assert second.usage.prompt_tokens_details.cached_tokens == held
     assert sources(server)[-1] == "visible"
+    # A conversation from elsewhere: a call this server never made, replayed without its
+    # reasoning (Chat has no place for it): answered, not refused.
+    foreign = [messages[0], {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_elsewhere", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}]},
+        {"role": "tool", "tool_call_id": "call_elsewhere", "content": "rain"}]
+    answered = sdk.chat.completions.create(model="tiny", messages=foreign, tools=CHAT_TOOLS, temperature=0, max_tokens=8)
+    assert answered.choices[0].finish_reason in ("tool_calls", "length", "stop")
+    assert "route=chat" in server.log()
     # The streamed form sends each call whole, with its index.
     streamed = sdk.chat.completions.create(model="tiny", messages=messages[:1], tools=CHAT_TOOLS, temperature=0,
                                            max_tokens=40, stream=True)
@@ -130,6 +138,13 @@ def test_tool_calls_and_the_turn_after_them_continue_the_live_kv(start_server, c
     ({"temperature": "hot"}, 400, "invalid_request", "temperature"),
     ({"logprobs": True}, 400, "unsupported_capability", "logprobs"),
     ({"model": "gpt-9"}, 404, "model_not_found", "model"),
+    ({"tools": [{"type": "function", "function": {"name": "no spaces allowed"}}]},
+     400, "invalid_request", "tools[0].function.name"),
+    ({"tools": CHAT_TOOLS, "tool_choice": {"type": "function", "function": {"name": "get_news"}}},
+     400, "invalid_request", "tool_choice.function.name"),
+    ({"functions": [{"name": "f", "parameters": {}}]}, 400, "invalid_request", "functions"),
+    ({"stop": ["x"] * 17}, 400, "invalid_request", "stop"),
+    ({"stop": "x" * 257}, 400, "invalid_request", "stop"),
 ])
 def test_bad_chat_requests_are_openai_errors(tiny_server, fields, status, code, param):
     body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, **fields}

@@ -40,7 +40,7 @@ def test_body_must_be_an_object(client):
         ({"model": "tiny", "input": "hi", "max_output_tokens": "8"}, "max_output_tokens"),
         ({"model": "tiny", "input": "hi", "temperature": "hot"}, "temperature"),
         ({"model": "tiny", "input": "hi", "temperature": -1}, "temperature"),
-        ({"model": "tiny", "input": "hi", "top_p": 0}, "top_p"),
+        ({"model": "tiny", "input": "hi", "top_p": 1.5}, "top_p"),
         ({"model": "tiny", "input": "hi", "store": "yes"}, "store"),
         ({"model": "tiny", "input": [{"type": "message", "role": "robot", "content": "x"}]}, "input[0].role"),
         ({"model": "tiny", "input": [{"type": "message", "role": "user"}]}, "input[0].content"),

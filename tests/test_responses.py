@@ -109,6 +109,11 @@ def test_sampling_with_temperature_and_top_p(client):
     ).json()
     assert body["status"] in ("completed", "incomplete")
     assert body["usage"]["output_tokens"] >= 1
+    # top_p 0 keeps only the likeliest token: the greedy reply at any temperature.
+    greedy = client.post("/lmsp/v1/responses", json=ask(max_output_tokens=16)).json()
+    for _ in range(2):
+        hot = client.post("/lmsp/v1/responses", json=ask(temperature=2, top_p=0, max_output_tokens=16)).json()
+        assert hot["output"][0]["content"] == greedy["output"][0]["content"]
 
 
 def test_default_model_knows_the_capital_of_france(default_server):

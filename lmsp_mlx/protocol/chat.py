@@ -11,15 +11,14 @@ client speaks.
 from __future__ import annotations
 
 import re
-import time
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from .ids import new_id
 from .problems import Problem
-from .requests import ResponsesRequest, parse_request
-from .responses import FunctionCallOutput, MessageOutput, ReasoningOutput, ResponseObject
+from .requests import ResponsesRequest, Temperature, TopP, json_object, parse_request, validation_problem
+from .responses import ResponseObject
 
 
 class _Chat(BaseModel):
@@ -75,7 +74,10 @@ class ChatTool(_Chat):
 
 
 class StreamOptions(_Chat):
-    include_usage: bool = False
+    include_usage: bool | None = None
+
+
+Stop = Annotated[str, Field(max_length=256)]  # longer ones would make each delta's scan slow
 
 
 class ChatRequest(_Chat):
@@ -85,21 +87,17 @@ class ChatRequest(_Chat):
     stream_options: StreamOptions | None = None
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
     max_tokens: Annotated[int, Field(ge=1)] | None = None
-    temperature: Annotated[float, Field(ge=0, le=2)] | None = None
-    top_p: Annotated[float, Field(gt=0, le=1)] | None = None
+    temperature: Temperature | None = None
+    top_p: TopP | None = None
     n: Annotated[int, Field(ge=1, le=1)] | None = None  # one choice: a second would be a second run
-    stop: Union[str, Annotated[list[str], Field(max_length=16)]] | None = None
+    stop: Union[Stop, Annotated[list[Stop], Field(max_length=16)]] | None = None
     tools: list[ChatTool] | None = None
     tool_choice: Union[Literal["auto", "none", "required"], dict[str, Any]] | None = None
     response_format: dict[str, Any] | None = None
     logprobs: bool | None = None
-
-    @field_validator("temperature", "top_p", mode="before")
-    @classmethod
-    def _int_is_a_float(cls, value: Any) -> Any:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return float(value)
-        return value
+    # The API's first form of tools, replaced by `tools` / `tool_choice`; refused, not ignored.
+    functions: list[Any] | None = None
+    function_call: Any = None
 
     def stops(self) -> list[str]:
         stops = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
@@ -107,43 +105,27 @@ class ChatRequest(_Chat):
 
 
 def parse_chat(body: Any) -> ChatRequest:
-    """Validate a decoded body; every failure is a 400 `invalid_request` naming the field."""
-    if not isinstance(body, dict):
-        raise Problem("invalid_request", "the request body must be a JSON object")
-    body = {k: v for k, v in body.items() if v is not None}
+    """Validate a decoded body; every failure is a 400 naming the field."""
     try:
-        req = ChatRequest.model_validate(body)
+        req = ChatRequest.model_validate(json_object(body))
     except ValidationError as exc:
-        err = max(exc.errors(), key=lambda e: len(e["loc"]))
-        where = _location(err["loc"])
-        if err["type"] == "missing":
-            msg = f"missing required field {where}"
-        elif where == "n":
-            msg = "n must be 1: this server returns one choice per request"
-        else:
-            msg = f"{where}: {err['msg']}" if where else err["msg"]
-        raise Problem("invalid_request", msg, param=where or None) from None
+        problem = validation_problem(exc, _TAGS)
+        if problem.param == "n":
+            problem.detail = "n must be 1: this server returns one choice per request"
+        elif (problem.param or "").startswith("stop"):
+            problem.detail = "stop must be a string or a list of up to 16 strings, each at most 256 characters"
+            problem.param = "stop"
+        raise problem from None
     if req.logprobs:
         raise Problem("unsupported_capability", "logprobs are not returned by this server", param="logprobs")
+    for legacy in ("functions", "function_call"):
+        if getattr(req, legacy) is not None:
+            raise Problem("invalid_request", f"{legacy} is the API's deprecated form of tools: send tools and "
+                          "tool_choice instead", param=legacy)
     return req
 
 
-_TAGS = {"text", "image_url", "input_audio", "file", "refusal"}
-
-
-def _location(loc: tuple) -> str:
-    """JSON path of a pydantic error location, without union-branch labels (a content
-    part's tag follows its index)."""
-    out, prev = "", None
-    for part in loc:
-        if isinstance(part, int):
-            out += f"[{part}]"
-        elif "[" in part or part in ("str", "int", "float", "bool") or isinstance(prev, int) and part in _TAGS:
-            pass
-        else:
-            out += f".{part}" if out else part
-        prev = part
-    return out
+_TAGS = frozenset({"text", "image_url", "input_audio", "file", "refusal"})  # content parts' types
 
 
 def to_responses(req: ChatRequest) -> tuple[ResponsesRequest, list[int]]:
@@ -202,12 +184,21 @@ def _format(fmt: dict[str, Any] | None) -> dict[str, Any] | None:
     return fmt
 
 
-def chat_param(problem: Problem, origin: list[int]) -> Problem:
-    """The same problem with its `input[j]` param named as the message it came from."""
-    m = re.fullmatch(r"input\[(\d+)\](.*)", problem.param or "")
-    if m is None or int(m[1]) >= len(origin):
+def chat_param(problem: Problem, origin: list[int], req: ChatRequest) -> Problem:
+    """The same problem with its param named as the chat request names it: `input[j]` as
+    the message item j came from, a tool's fields inside its `function`, and so on."""
+    param = problem.param or ""
+    if m := re.fullmatch(r"input\[(\d+)\](.*)", param):
+        if int(m[1]) < len(origin):
+            param = f"messages[{origin[int(m[1])]}]" + m[2].replace(".call_id", ".tool_call_id")
+    elif m := re.fullmatch(r"tools\[(\d+)\]\.(?!type\b)(.+)", param):
+        param = f"tools[{m[1]}].function.{m[2]}"
+    else:
+        param = {"input": "messages", "tool_choice.name": "tool_choice.function.name",
+                 "max_output_tokens": "max_tokens" if req.max_completion_tokens is None else "max_completion_tokens",
+                 }.get(param, param)
+    if param == (problem.param or ""):
         return problem
-    param = f"messages[{origin[int(m[1])]}]" + m[2].replace(".call_id", ".tool_call_id")
     return Problem(problem.code, problem.detail.replace(problem.param, param), param=param, headers=problem.headers)
 
 
@@ -224,18 +215,12 @@ def chat_usage(resp: ResponseObject) -> dict[str, Any] | None:
             "completion_tokens_details": {"reasoning_tokens": 0}}
 
 
-def tool_calls(output: list) -> list[dict[str, Any]]:
-    return [{"id": o.call_id, "type": "function", "function": {"name": o.name, "arguments": o.arguments}}
-            for o in output if isinstance(o, FunctionCallOutput)]
-
-
-def completion(cid: str, resp: ResponseObject, content: str | None, finish_reason: str) -> dict[str, Any]:
+def completion(cid: str, resp: ResponseObject, content: str | None, reasoning: str,
+               calls: list[dict[str, Any]], finish_reason: str) -> dict[str, Any]:
     """A `chat.completion` object with its one choice."""
     message: dict[str, Any] = {"role": "assistant", "content": content, "refusal": None}
-    reasoning = "".join(p.text for o in resp.output if isinstance(o, ReasoningOutput) for p in o.summary)
     if reasoning:
         message["reasoning_content"] = reasoning
-    calls = tool_calls(resp.output)
     if calls:
         message["tool_calls"] = calls
     return {"id": cid, "object": "chat.completion", "created": resp.created_at, "model": resp.model,
@@ -243,18 +228,14 @@ def completion(cid: str, resp: ResponseObject, content: str | None, finish_reaso
             "usage": chat_usage(resp), "system_fingerprint": None, "service_tier": "default"}
 
 
-def chunk(cid: str, model: str, delta: dict[str, Any] | None, finish_reason: str | None = None,
+def chunk(cid: str, created: int, model: str, delta: dict[str, Any] | None, finish_reason: str | None = None,
           usage: Any = False) -> dict[str, Any]:
     """A `chat.completion.chunk`; `delta=None` is the usage chunk (no choices). `usage`:
     False leaves it out, None or an object puts it in (`stream_options.include_usage`)."""
-    out: dict[str, Any] = {"id": cid, "object": "chat.completion.chunk", "created": int(time.time()), "model": model,
+    out: dict[str, Any] = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": model,
                            "system_fingerprint": None,
                            "choices": [] if delta is None else [{"index": 0, "delta": delta, "logprobs": None,
                                                                  "finish_reason": finish_reason}]}
     if usage is not False:
         out["usage"] = usage
     return out
-
-
-def message_text(output: list) -> str:
-    return "".join(p.text for o in output if isinstance(o, MessageOutput) for p in o.content)

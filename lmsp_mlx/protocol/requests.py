@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator
+from pydantic import BeforeValidator, BaseModel, ConfigDict, Field, PrivateAttr, ValidationError
 
 from .problems import Problem
 
@@ -216,6 +216,17 @@ class TextFormat(_Strict):
     model_config = ConfigDict(extra="allow", strict=True)
 
 
+def _json_number(value: Any) -> Any:
+    """JSON has one number type: `"temperature": 0` is as good as 0.0."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    return value
+
+
+Temperature = Annotated[float, BeforeValidator(_json_number), Field(ge=0, le=2)]
+TopP = Annotated[float, BeforeValidator(_json_number), Field(ge=0, le=1)]  # 0: only the likeliest token
+
+
 class ReasoningSettings(_Strict):
     effort: str | None = None
     summary: str | None = None
@@ -226,8 +237,8 @@ class ResponsesRequest(_Strict):
     input: Union[str, list[InputItem]]
     stream: bool = False
     max_output_tokens: Annotated[int, Field(ge=1)] | None = None
-    temperature: Annotated[float, Field(ge=0, le=2)] | None = None
-    top_p: Annotated[float, Field(gt=0, le=1)] | None = None
+    temperature: Temperature | None = None
+    top_p: TopP | None = None
     response_format: TextFormat | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: Union[Literal["auto", "none", "required"], dict[str, Any]] | None = None
@@ -249,49 +260,61 @@ class ResponsesRequest(_Strict):
     prompt_cache_key: str | None = None
     safety_identifier: str | None = None
 
-    @field_validator("temperature", "top_p", mode="before")
-    @classmethod
-    def _int_is_a_float(cls, value: Any) -> Any:
-        # JSON has one number type: `"temperature": 0` is as good as 0.0.
-        if isinstance(value, int) and not isinstance(value, bool):
-            return float(value)
-        return value
-
     def items(self) -> list[InputItem]:
         if isinstance(self.input, str):
             return [MessageItem(role="user", content=self.input)]
         return [_plain(item) for item in self.input]
 
 
-_UNION_TAGS = {
+_UNION_TAGS = frozenset({
     "message", "function_call", "function_call_output", "reasoning", "custom_tool_call", "custom_tool_call_output",
     "compaction",
     "input_text", "output_text", "input_image", "input_audio", "input_file",
-}
+})
 
 
-def _location(loc: tuple) -> str:
-    """JSON path of a pydantic error location, without its union-branch labels."""
-    out = ""
+def json_path(loc: tuple, tags: frozenset[str]) -> str:
+    """JSON path of a pydantic error location, without its union-branch labels (the type
+    names of a union, and the `tags` of a tagged union, which follow an index)."""
+    out, prev = "", None
     for part in loc:
         if isinstance(part, int):
             out += f"[{part}]"
-        elif part in ("str", "int", "float", "bool") or "[" in part or part in _UNION_TAGS:
-            continue
-        else:
+        elif not (part in ("str", "int", "float", "bool") or "[" in part or isinstance(prev, int) and part in tags):
             out += f".{part}" if out else part
+        prev = part
     return out
+
+
+def json_object(body: Any) -> dict[str, Any]:
+    """A decoded body that must be an object; a JSON null for one of its fields means "not
+    given" (OpenAI's clients send `"stream": null`)."""
+    if not isinstance(body, dict):
+        raise Problem("invalid_request", "the request body must be a JSON object")
+    return {k: v for k, v in body.items() if v is not None}
+
+
+def validation_problem(exc: ValidationError, tags: frozenset[str]) -> Problem:
+    """The 400 `invalid_request` for a body that does not validate, naming the field. A
+    union reports one error per branch; the deepest one is what the client got wrong."""
+    err = max(exc.errors(), key=lambda e: len(e["loc"]))
+    where = json_path(err["loc"], tags)
+    if err["type"] == "union_tag_invalid":
+        msg = f"unknown type {err.get('ctx', {}).get('tag')!r} at {where}"
+    elif err["type"] == "union_tag_not_found":
+        msg = f"{where} has no 'type'"
+    elif err["type"] == "missing":
+        msg = f"missing required field {where}"
+    else:
+        msg = f"{where}: {err['msg']}" if where else err["msg"]
+    return Problem("invalid_request", msg, param=where or None)
 
 
 def parse_request(body: Any, *, default_type: bool = True) -> ResponsesRequest:
     """Validate a decoded JSON body; every failure is a 400 `invalid_request` problem."""
-    if not isinstance(body, dict):
-        raise Problem("invalid_request", "the request body must be a JSON object")
-    # JSON null for an optional field means "not given" (OpenAI's clients send `"stream": null`).
-    body = {k: v for k, v in body.items() if v is not None}
+    body = json_object(body)
     if default_type and isinstance(body.get("input"), list):
         # OpenAI's "easy input message" omits `type`; it means a message.
-        body = dict(body)
         body["input"] = [
             {**item, "type": "message"} if isinstance(item, dict) and "type" not in item and "role" in item else item
             for item in body["input"]
@@ -299,18 +322,7 @@ def parse_request(body: Any, *, default_type: bool = True) -> ResponsesRequest:
     try:
         return ResponsesRequest.model_validate(body)
     except ValidationError as exc:
-        # A union reports one error per branch; the deepest one is what the client got wrong.
-        err = max(exc.errors(), key=lambda e: len(e["loc"]))
-        where = _location(err["loc"])
-        if err["type"] == "union_tag_invalid":
-            tag = err.get("ctx", {}).get("tag")
-            msg = f"unknown type {tag!r} at {where}"
-        elif err["type"] == "union_tag_not_found":
-            msg = f"{where} has no 'type'"
-        elif where == "input" and err["type"] in ("string_type", "list_type"):
-            msg = "input must be a string or an array of input items"
-        elif err["type"] == "missing":
-            msg = f"missing required field {where}"
-        else:
-            msg = f"{where}: {err['msg']}" if where else err["msg"]
-        raise Problem("invalid_request", msg, param=where or None) from None
+        problem = validation_problem(exc, _UNION_TAGS)
+        if problem.param == "input" and exc.errors()[0]["type"] in ("string_type", "list_type"):
+            problem.detail = "input must be a string or an array of input items"
+        raise problem from None

@@ -96,7 +96,7 @@ def create_app(engine: Engine, settings: ServerSettings, tokens: Tokens, db: Dat
         authorize(tokens, app.view_functions.get(request.endpoint), request.method, request.path, request.headers)
         # Repeated headers (or one with a comma list) must all say 1.0: a proxy that added a
         # second value does not get to pick the one this service reads.
-        versions = [v.strip() for h in request.headers.getlist("LMSP-Version") for v in h.split(",")]
+        versions = [v.strip() for h in request.headers.getlist("LMSP-Version") for v in h.split(",") if v.strip()]
         wrong = [v for v in versions if v != LMSP_VERSION]
         if wrong and request.path.startswith("/lmsp/"):
             raise Problem(

@@ -9,7 +9,6 @@ cancelled like a client that left.
 
 from __future__ import annotations
 
-import json
 from typing import Any, AsyncIterator
 
 from quart import Blueprint
@@ -20,7 +19,7 @@ from ..protocol.problems import Problem
 from ..protocol.responses import FunctionCallOutput, MessageOutput
 from .auth import requires
 from .run import ResponseRun, start_run
-from .sse import sse_response
+from .sse import OpenResponsesEvents, json_text, sse_response
 from .state import read_json
 
 bp = Blueprint("chat", __name__, url_prefix="/v1")
@@ -34,9 +33,9 @@ async def create_chat_completion():
     origin: list[int] = []
     try:
         req, origin = to_responses(chat)
-        run = await start_run("v1", req)
+        run = await start_run("chat", req)
     except Problem as problem:
-        raise chat_param(problem, origin) from None
+        raise chat_param(problem, origin, chat) from None
     reply = ChatReply(run, chat)
     if not chat.stream:
         return await reply.complete()
@@ -74,7 +73,8 @@ class ChatReply:
         self.id = completion_id()
         self.scanner = StopScanner(chat.stops())
         self.stopped = False  # by a stop sequence
-        self.calls = 0
+        self.calls: list[dict[str, Any]] = []  # as they were sent
+        self.reasoning: list[str] = []
 
     async def deltas(self) -> AsyncIterator[dict[str, Any]]:
         """The choice's deltas (content, reasoning_content, tool_calls) until the turn ends
@@ -88,16 +88,17 @@ class ChatReply:
                     self.run.cancel()
                 if text:
                     yield {"content": text}
-            elif e.kind == "reasoning":
+            elif e.kind == "reasoning":  # stop sequences apply to the content only
+                self.reasoning.append(e.delta)
                 yield {"reasoning_content": e.delta}
             elif e.kind == "done" and isinstance(e.item, MessageOutput):
                 if held := self.scanner.flush():
                     yield {"content": held}
             elif e.kind == "done" and isinstance(e.item, FunctionCallOutput):
-                call = {"index": self.calls, "id": e.item.call_id, "type": "function",
+                call = {"id": e.item.call_id, "type": "function",
                         "function": {"name": e.item.name, "arguments": e.item.arguments}}
-                self.calls += 1
-                yield {"tool_calls": [call]}
+                self.calls.append(call)
+                yield {"tool_calls": [{"index": len(self.calls) - 1, **call}]}
 
     def finish_reason(self) -> str:
         if self.stopped:
@@ -125,26 +126,27 @@ class ChatReply:
         if problem := self.failure():
             raise problem
         text = "".join(content)
-        return completion(self.id, self.run.response(), text if text or not self.calls else None, self.finish_reason())
+        return completion(self.id, self.run.response(), text if text or not self.calls else None,
+                          "".join(self.reasoning), self.calls, self.finish_reason())
 
     async def chunks(self) -> AsyncIterator[str]:
         """data: frames, as OpenAI streams them (no event names), ending with [DONE]."""
-        model, usage = self.chat.model, self.chat.stream_options and self.chat.stream_options.include_usage
+        usage = bool(self.chat.stream_options and self.chat.stream_options.include_usage)
         nothing = None if usage else False  # with include_usage every chunk has `usage`, null until the last
+
+        def data(delta: dict[str, Any] | None, finish: str | None = None, usage: Any = nothing) -> str:
+            return f"data: {json_text(chunk(self.id, self.run.created_at, self.chat.model, delta, finish, usage))}\n\n"
+
         try:
-            yield _data(chunk(self.id, model, {"role": "assistant", "content": ""}, usage=nothing))
+            yield data({"role": "assistant", "content": ""})
             async for d in self.deltas():
-                yield _data(chunk(self.id, model, d, usage=nothing))
+                yield data(d)
             if problem := self.failure():
-                yield _data({"error": problem.openai_error()})
+                yield f"data: {json_text({'error': problem.openai_error()})}\n\n"
             else:
-                yield _data(chunk(self.id, model, {}, self.finish_reason(), usage=nothing))
+                yield data({}, self.finish_reason())
                 if usage:
-                    yield _data(chunk(self.id, model, None, usage=chat_usage(self.run.response())))
-            yield "data: [DONE]\n\n"
+                    yield data(None, usage=chat_usage(self.run.response()))
+            yield OpenResponsesEvents.DONE
         finally:
             self.run.cancel()
-
-
-def _data(obj: dict[str, Any]) -> str:
-    return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"

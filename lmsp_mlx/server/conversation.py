@@ -135,7 +135,7 @@ def prepare(req: ResponsesRequest, route: str, tokenizer, calls: CallMemory,
     """The conversation to render, and the constraint on its reply (or None). `head`: the
     compacted conversation's text the items continue (server/compaction.py). `offset`: the
     items of the stored conversation (previous_response_id) before the request's own."""
-    tools = function_tools(req.tools, compat=route == "v1")
+    tools = function_tools(req.tools, compat=route in ("v1", "chat"))
     choice = tool_choice(req, tools)
     items = req.items()
     live: tuple[str, ...] = ()
@@ -155,7 +155,10 @@ def prepare(req: ResponsesRequest, route: str, tokenizer, calls: CallMemory,
             where += ".call_id" if where != "previous_response_id" else ""
             raise Problem("unknown_call_id", f"tool output for call {item.call_id!r}, which neither this request "
                           "nor the server's live state contains", param=where)
-    if reasoning and not live:
+    # Chat Completions has no reasoning items: its clients replay calls without them (the
+    # template renders such a turn as its other servers would), so only Responses clients
+    # are held to sending them back.
+    if reasoning and not live and route != "chat":
         _check_reasoning(req.items(), calls, offset)
     offered = [] if choice == "none" else tools
     conv = Conversation(items, req.instructions, offered, native_tools(tokenizer), live, head)

@@ -139,7 +139,8 @@ class ResponseRun:
         params = GenerationParams(
             prompt=prompt.tokens,
             max_tokens=min(self.req.max_output_tokens or room, room),
-            temperature=1.0 if self.req.temperature is None else self.req.temperature,
+            # top_p 0 keeps only the likeliest token: greedy, whatever the temperature.
+            temperature=0.0 if self.req.top_p == 0 else 1.0 if self.req.temperature is None else self.req.temperature,
             top_p=1.0 if self.req.top_p is None else self.req.top_p,
             prefill_step=self.prefill_step,
             constraint=constraint,

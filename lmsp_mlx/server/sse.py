@@ -21,7 +21,7 @@ def sse_response(events, headers: dict[str, str] | None = None) -> Response:
     return Response(frames(), mimetype="text/event-stream", headers={**SSE_HEADERS, **(headers or {})})
 
 
-def _json(data: Any) -> str:
+def json_text(data: Any) -> str:
     return json.dumps(data, ensure_ascii=False, separators=(",", ":"))
 
 
@@ -34,7 +34,7 @@ class SseEvent:
     data: dict[str, Any]
 
     def frame(self) -> str:
-        return f"id: {self.id}\nevent: {self.event}\ndata: {_json(self.data)}\n\n"
+        return f"id: {self.id}\nevent: {self.event}\ndata: {json_text(self.data)}\n\n"
 
 
 class LmspEvents:
@@ -58,10 +58,10 @@ class V1Event:
     data: dict[str, Any]
 
     def frame(self) -> str:
-        return f"event: {self.data['type']}\ndata: {_json(self.data)}\n\n"
+        return f"event: {self.data['type']}\ndata: {json_text(self.data)}\n\n"
 
     def message(self) -> str:
-        return _json(self.data)
+        return json_text(self.data)
 
 
 class OpenResponsesEvents:
