@@ -118,6 +118,9 @@ def test_tool_calls_and_the_turn_after_them_continue_the_live_kv(start_server, c
     answered = sdk.chat.completions.create(model="tiny", messages=foreign, tools=CHAT_TOOLS, temperature=0, max_tokens=8)
     assert answered.choices[0].finish_reason in ("tool_calls", "length", "stop")
     assert "route=chat" in server.log()
+    single = sdk.chat.completions.create(model="tiny", messages=messages[:1], tools=CHAT_TOOLS, temperature=0,
+                                         max_tokens=40, parallel_tool_calls=False)
+    assert [c.function.name for c in single.choices[0].message.tool_calls] == ["get_weather"]
     # The streamed form sends each call whole, with its index.
     streamed = sdk.chat.completions.create(model="tiny", messages=messages[:1], tools=CHAT_TOOLS, temperature=0,
                                            max_tokens=40, stream=True)

@@ -89,6 +89,18 @@ def test_the_turn_after_the_calls_prefills_only_the_tool_results(caller):
     assert sources(caller) == ["cold", "visible", "tool-output ids=2"]
 
 
+def test_parallel_tool_calls_false_ends_the_turn_at_its_first_call(caller):
+    first = post(caller, {"input": [QUESTION], "tools": TOOLS, "parallel_tool_calls": False}).json()
+    assert first["status"] == "completed"
+    calls = [i for i in first["output"] if i["type"] == "function_call"]
+    assert [c["name"] for c in calls] == ["get_weather"]  # the script's second call is never sampled
+    # The KV holds exactly that one call, so the replay with its result continues it.
+    replay = post(caller, {"input": [QUESTION, *first["output"], *outputs_for(calls)], "tools": TOOLS,
+                           "parallel_tool_calls": False}).json()
+    assert sources(caller)[-1] == "visible"
+    assert cached(replay) >= first["usage"]["input_tokens"] + first["usage"]["output_tokens"]
+
+
 def test_exact_replay_renders_the_sampled_call_text(caller, caller_dir):
     from lmsp_mlx.cache.calls import CallMemory, CallTurn
     from lmsp_mlx.engine.render import to_chat_messages

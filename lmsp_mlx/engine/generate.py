@@ -44,6 +44,7 @@ class GenerationParams:
     prefill_step: int = 256
     cached: int = 0  # leading prompt tokens already in the cache passed to generate()
     constraint: Any = None  # constrain.Constraint: a grammar the output must follow
+    one_call: bool = False  # parallel_tool_calls false: the turn ends with its first tool call
 
 
 def prefill(lm: LoadedModel, tokens: list[int], cache: list, step: int, check: Callable[[int, int], None]) -> None:
@@ -131,9 +132,12 @@ def generate(
     cancelled: Callable[[], bool],
     cache: list | None = None,
     sampled: list[int] | None = None,
+    whole: Callable[[], bool] = lambda: False,
 ) -> Finished:
     """Prefill `params.prompt` after its cached part into `cache` (a new one if None), then
-    decode. Every sampled token, end-of-turn included, is appended to `sampled`."""
+    decode. Every sampled token, end-of-turn included, is appended to `sampled`. `whole()`
+    says, after a token's text was emitted, that the reply needs nothing more (its one
+    call is made): the turn then ends `complete`."""
     sampled = [] if sampled is None else sampled
 
     def check(done: int, total: int) -> None:
@@ -174,6 +178,9 @@ def generate(
             emit(TextDelta(piece))
         if cancelled():
             raise Cancelled(prefilled=len(params.prompt), produced=produced)
+        if whole():
+            reason = "complete"
+            break
     detokenizer.finalize()
     if piece := detokenizer.last_segment:
         emit(TextDelta(piece))

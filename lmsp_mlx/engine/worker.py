@@ -244,7 +244,8 @@ class Engine:
 
         prompt_len, extra, binding, calls = len(start.tokens), "", None, None
         try:
-            done = generate(lm, params, emit, lambda: job.cancelled, cache=start.session.cache, sampled=sampled)
+            done = generate(lm, params, emit, lambda: job.cancelled, cache=start.session.cache, sampled=sampled,
+                            whole=lambda: params.one_call and bool(turn.calls))
         except Cancelled as stop:
             done = Finished("cancelled", Usage(prompt_len, stop.produced, start.cached))
             extra = f" prefilled={stop.prefilled}/{prompt_len}"

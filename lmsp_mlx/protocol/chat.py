@@ -95,6 +95,7 @@ class ChatRequest(_Chat):
     tool_choice: Union[Literal["auto", "none", "required"], dict[str, Any]] | None = None
     response_format: dict[str, Any] | None = None
     logprobs: bool | None = None
+    parallel_tool_calls: bool | None = None
     # The API's first form of tools, replaced by `tools` / `tool_choice`; refused, not ignored.
     functions: list[Any] | None = None
     function_call: Any = None
@@ -160,6 +161,7 @@ def to_responses(req: ChatRequest) -> tuple[ResponsesRequest, list[int]]:
         "model": req.model, "input": items, "tools": tools or None, "tool_choice": _tool_choice(req.tool_choice),
         "max_output_tokens": req.max_completion_tokens or req.max_tokens,
         "temperature": req.temperature, "top_p": req.top_p, "response_format": _format(req.response_format),
+        "parallel_tool_calls": req.parallel_tool_calls,
     }
     return parse_request(body), origin
 

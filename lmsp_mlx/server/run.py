@@ -144,6 +144,7 @@ class ResponseRun:
             top_p=1.0 if self.req.top_p is None else self.req.top_p,
             prefill_step=self.prefill_step,
             constraint=constraint,
+            one_call=self.req.parallel_tool_calls is False,
         )
         self.job = self.engine.submit(params, self.route, text=prompt.text, conv=conv, visible=visible,
                                       keep_history=self.compacted)
