@@ -178,6 +178,24 @@ def test_strict_tool_arguments_validate(server, choice, temperature):
         jsonschema.validate(json.loads(call["arguments"]), WEATHER["parameters"])
 
 
+def test_allowed_tools_narrow_the_calls_and_keep_the_prompt(server):
+    clock = {"type": "function", "name": "get_time", "description": "Current time in a time zone",
+             "parameters": {"type": "object", "properties": {"zone": {"type": "string", "maxLength": 30}},
+                            "required": ["zone"], "additionalProperties": False}}
+    body = {"model": "SmolLM2-135M-Instruct", "input": "What is the weather in Hangzhou? Use the tool.",
+            "tools": [WEATHER, clock], "temperature": 0, "max_output_tokens": 60}
+    free = httpx.post(server.url + "/v1/responses", json={**body, "tool_choice": "required"}, timeout=600).json()
+    [picked] = [o["name"] for o in free["output"] if o["type"] == "function_call"]
+    other = "get_time" if picked == "get_weather" else "get_weather"  # greedy, it picks the same one every time
+    narrowed = httpx.post(server.url + "/v1/responses", json={**body, "tool_choice": {
+        "type": "allowed_tools", "mode": "required", "tools": [{"type": "function", "name": other}]}}, timeout=600).json()
+    assert [o["name"] for o in narrowed["output"] if o["type"] == "function_call"] == [other]
+    assert narrowed["usage"]["input_tokens"] == free["usage"]["input_tokens"]  # both tools still in the prompt
+    bad = httpx.post(server.url + "/v1/responses", json={**body, "tool_choice": {
+        "type": "allowed_tools", "mode": "required", "tools": [{"type": "function", "name": "get_news"}]}}, timeout=60)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "tool_choice.tools"
+
+
 @pytest.mark.parametrize("kind", ["json", "call"])
 def test_a_reply_whose_grammar_closes_on_the_limits_last_token_is_completed(server, kind):
     """Greedy, so the same reply every time: with room to spare it takes n tokens (the end of

@@ -47,9 +47,27 @@ _ITEMS = TypeAdapter(list[InputItem])
 log = logging.getLogger("lmsp_mlx.server")
 
 
-def tool_choice(req: ResponsesRequest, tools: list[FunctionTool]) -> str | FunctionTool:
-    """`auto`, `none`, `required`, or the one tool a named choice forces."""
+def tool_choice(req: ResponsesRequest, tools: list[FunctionTool]) -> tuple[str | FunctionTool, list[FunctionTool]]:
+    """`auto`, `none`, `required`, or the one tool a named choice forces; and the tools the
+    reply may call (`allowed_tools` narrows them, while the prompt keeps them all, so the
+    KV of a conversation whose allowed set changes turn by turn is reused)."""
     choice = req.tool_choice or "auto"
+    if isinstance(choice, dict) and choice.get("type") == "allowed_tools":
+        mode, listed = choice.get("mode"), choice.get("tools")
+        if mode not in ("auto", "required") or not isinstance(listed, list):
+            raise Problem("invalid_request", 'allowed_tools needs "mode" ("auto" or "required") and a "tools" list',
+                          param="tool_choice")
+        names = {t.get("name") for t in listed if isinstance(t, dict)}
+        unknown = names - {t.name for t in tools}
+        if unknown:
+            raise Problem("invalid_request", f"tool_choice.tools names {sorted(map(str, unknown))}, which are not "
+                          "among the request's tools", param="tool_choice.tools")
+        tools = [t for t in tools if t.name in names]
+        return _plain_choice(mode, tools), tools
+    return _plain_choice(choice, tools), tools
+
+
+def _plain_choice(choice: str | dict, tools: list[FunctionTool]) -> str | FunctionTool:
     if isinstance(choice, str):
         if choice == "required" and not tools:
             raise Problem("invalid_request", "tool_choice 'required' needs at least one function tool", param="tool_choice")
@@ -135,8 +153,8 @@ def prepare(req: ResponsesRequest, route: str, tokenizer, calls: CallMemory,
     """The conversation to render, and the constraint on its reply (or None). `head`: the
     compacted conversation's text the items continue (server/compaction.py). `offset`: the
     items of the stored conversation (previous_response_id) before the request's own."""
-    tools = function_tools(req.tools, compat=route in ("v1", "chat"))
-    choice = tool_choice(req, tools)
+    offered = function_tools(req.tools, compat=route in ("v1", "chat"))
+    choice, tools = tool_choice(req, offered)
     items = req.items()
     live: tuple[str, ...] = ()
     own_calls = {i.call_id for i in items if isinstance(i, FunctionCallItem)}
@@ -160,8 +178,7 @@ def prepare(req: ResponsesRequest, route: str, tokenizer, calls: CallMemory,
     # are held to sending them back.
     if reasoning and not live and route != "chat":
         _check_reasoning(req.items(), calls, offset)
-    offered = [] if choice == "none" else tools
-    conv = Conversation(items, req.instructions, offered, native_tools(tokenizer), live, head)
+    conv = Conversation(items, req.instructions, [] if choice == "none" else offered, native_tools(tokenizer), live, head)
     return conv, reply_spec(req, route, choice, tools)
 
 
