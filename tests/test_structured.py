@@ -178,6 +178,20 @@ def test_strict_tool_arguments_validate(server, choice, temperature):
         jsonschema.validate(json.loads(call["arguments"]), WEATHER["parameters"])
 
 
+@pytest.mark.parametrize("limit", [2, 8])
+def test_a_call_cut_by_the_token_limit_leaves_no_markup_behind(server, limit):
+    body = {"model": "SmolLM2-135M-Instruct", "input": "What is the weather in Hangzhou? Use the tool.",
+            "tools": [WEATHER], "tool_choice": "required", "temperature": 0, "max_output_tokens": limit}
+    resp = httpx.post(server.url + "/lmsp/v1/responses", json=body, timeout=600).json()
+    assert resp["status"] == "incomplete" and resp["usage"]["output_tokens"] == limit
+    assert [o["type"] for o in resp["output"]] == ["message"] and message_text(resp) == ""
+    chat = httpx.post(server.url + "/v1/chat/completions", timeout=600, json={
+        "model": body["model"], "messages": [{"role": "user", "content": body["input"]}], "temperature": 0,
+        "tools": [{"type": "function", "function": {k: v for k, v in WEATHER.items() if k != "type"}}],
+        "tool_choice": "required", "max_tokens": limit}).json()
+    assert chat["choices"][0]["finish_reason"] == "length" and chat["choices"][0]["message"]["content"] == ""
+
+
 def test_allowed_tools_narrow_the_calls_and_keep_the_prompt(server):
     clock = {"type": "function", "name": "get_time", "description": "Current time in a time zone",
              "parameters": {"type": "object", "properties": {"zone": {"type": "string", "maxLength": 30}},

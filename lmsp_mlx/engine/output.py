@@ -61,13 +61,18 @@ class OutputParser:
     visible: list[str] = field(default_factory=list)  # everything outside reasoning, markup included
     _buf: str = ""
     _fed: list[str] = field(default_factory=list)  # every piece, for the raw reasoning text
+    _cut: bool = False  # finish(cut=True): the token limit ended the turn
 
     def feed(self, piece: str) -> list:
         self._buf += piece
         self._fed.append(piece)
         return self._drain(final=False)
 
-    def finish(self) -> list:
+    def finish(self, cut: bool = False) -> list:
+        """The rest of the turn. `cut`: the token limit ended it, so a call it was writing
+        (or a marker it had begun) is dropped: half a call is no reply, and its markup as
+        text would be noise (the response is `incomplete` either way)."""
+        self._cut = cut
         return self._drain(final=True)
 
     def _markers(self) -> list[str]:
@@ -87,7 +92,11 @@ class OutputParser:
                 if end < 0:
                     if not final:
                         return out
-                    if close:  # the turn ended inside a call: it stays text
+                    if close and self._cut:
+                        log.info("the token limit cut a tool call (%d characters); dropped from the reply", len(self._buf))
+                        self._buf = ""
+                        return out
+                    if close:  # the model ended its turn inside a call: it stays text
                         log.warning("tool call not closed before the turn ended; kept as text")
                         out.append(self._text(self.fmt.call[0] + self._buf))
                         self._buf = ""
@@ -112,7 +121,10 @@ class OutputParser:
                 else:
                     self.state = "reasoning"
                 continue
-            keep = 0 if final else _held_back(self._buf, self._markers())
+            keep = _held_back(self._buf, self._markers()) if not final or self._cut and self.tools is not None else 0
+            if final and keep:  # cut while writing a marker: dropped like the call it began
+                self._buf = self._buf[: len(self._buf) - keep]
+                keep = 0
             out.append(self._piece(self._buf[: len(self._buf) - keep]))
             self._buf = self._buf[len(self._buf) - keep:]
             return [e for e in out if e is not None]

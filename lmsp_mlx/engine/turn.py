@@ -110,8 +110,9 @@ class TurnOutput:
     def feed(self, piece: str) -> None:
         self._send(self.parser.feed(piece))
 
-    def finish(self) -> None:
-        self._send(self.parser.finish())
+    def finish(self, cut: bool = False) -> None:
+        """`cut`: the token limit ended the turn (OutputParser.finish)."""
+        self._send(self.parser.finish(cut))
 
     def _send(self, events: list) -> None:
         for e in events:

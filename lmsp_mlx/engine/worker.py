@@ -256,7 +256,7 @@ class Engine:
             self._log(job, lm, "failed", Usage(prompt_len, 0), 0.0, 0.0)
             return
         if done.reason != "cancelled":
-            turn.finish()
+            turn.finish(cut=done.reason == "length")
         job.emit(done)
         if done.reason != "cancelled" and job.conv is not None:
             calls = turn.remember(self.calls)
