@@ -46,15 +46,20 @@ def test_disconnect_during_decode_stops_generation(tiny_server):
 
 def test_disconnect_during_prefill_stops_within_a_chunk(tiny_server):
     before = request_lines(tiny_server)
+    progress = tiny_server.log().count("prefill ")
     long_prompt = "many words " * 2500  # about 28k tokens: 100+ prefill chunks
     with httpx.Client(base_url=tiny_server.url, timeout=60) as c:
         with c.stream("POST", "/lmsp/v1/responses", json=ask(long_prompt, stream=True)) as r:
             for line in r.iter_lines():
                 if line.startswith("event: response.created"):
                     break
+            deadline = time.monotonic() + 60  # leave mid-prefill, not while it is still queued
+            while tiny_server.log().count("prefill ") == progress:
+                assert time.monotonic() < deadline
+                time.sleep(0.02)
     line = cancelled_line(tiny_server, before)
     done, total = map(int, re.search(r"prefilled=(\d+)/(\d+)", line).groups())
-    assert total > 20000 and done < total
+    assert total > 20000 and 0 < done < total
     assert "output_tokens=0" in line
 
 

@@ -144,7 +144,7 @@ class Engine:
             self._jobs.not_full.notify()
         n = len(job.params.prompt)
         job.emit(Finished("cancelled", Usage(n, 0)))
-        self._log(job, self.model, "cancelled", Usage(n, 0), 0.0, 0.0, " withdrawn from the queue")
+        self._log(job, self.model, "cancelled", Usage(n, 0), 0.0, 0.0, f" prefilled=0/{n} withdrawn from the queue")
         return True
 
     @property
