@@ -192,6 +192,20 @@ def test_a_call_cut_by_the_token_limit_leaves_no_markup_behind(server, limit):
     assert chat["choices"][0]["finish_reason"] == "length" and chat["choices"][0]["message"]["content"] == ""
 
 
+def test_tool_choice_none_after_a_call_continues_the_live_kv_and_calls_nothing(server):
+    body = {"model": "SmolLM2-135M-Instruct", "tools": [WEATHER], "temperature": 0, "max_output_tokens": 60}
+    question = {"role": "user", "content": "What is the weather in Hangzhou? Use the tool."}
+    first = httpx.post(server.url + "/lmsp/v1/responses", timeout=600,
+                       json={**body, "input": [question], "tool_choice": "required"}).json()
+    [call] = [o for o in first["output"] if o["type"] == "function_call"]
+    result = {"type": "function_call_output", "call_id": call["call_id"], "output": '{"sky": "clear"}'}
+    answer = httpx.post(server.url + "/lmsp/v1/responses", timeout=600, json={
+        **body, "input": [question, call, result], "tool_choice": "none"}).json()
+    assert [o["type"] for o in answer["output"]] == ["message"] and "<tool_call>" not in message_text(answer)
+    assert re.findall(r"cache_source=(\S+)", server.log())[-1] == "visible"  # the tools stayed in the prompt
+    assert answer["usage"]["input_tokens_details"]["cached_tokens"] >= first["usage"]["input_tokens"]
+
+
 def test_allowed_tools_narrow_the_calls_and_keep_the_prompt(server):
     clock = {"type": "function", "name": "get_time", "description": "Current time in a time zone",
              "parameters": {"type": "object", "properties": {"zone": {"type": "string", "maxLength": 30}},

@@ -8,6 +8,8 @@ A request can constrain its reply three ways:
 - strict function tools under `tool_choice: auto`: free text, but once the model opens a
   tool call the call must name an offered function with valid arguments (llguidance's
   "lazy" lexeme: anything until the call marker, then the schema);
+- `tool_choice: none` with tools: free text that never opens a call, so the tools can
+  stay in the prompt (the conversation's KV stays valid) while none can be called;
 - Codex-style custom tools: the call's raw input (after a `{"name": ...}` line) follows
   the tool's own Lark grammar, compiled as a separate grammar so that its rule names
   cannot clash with these.
@@ -21,6 +23,7 @@ value with blanks until the token limit.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -44,7 +47,7 @@ class Tool:
 class ReplySpec:
     """The constraint a request puts on its reply, before the model's markup is known."""
 
-    kind: Literal["json", "json_or_call", "call", "calls"]  # calls: text with strict tool calls
+    kind: Literal["json", "json_or_call", "call", "calls", "text"]  # calls: text with strict tool calls; text: none
     schema: dict[str, Any] | bool | None = None  # kinds json, json_or_call
     tools: tuple[Tool, ...] = ()  # kind call / calls
 
@@ -135,6 +138,9 @@ def reply_rules(spec: ReplySpec, fmt: OutputFormat) -> Rules | None:
     json_reply = Rules(f"reply: {json_rule(spec.schema)}\n", {}) if spec.schema is not None else None
     if fmt.call != DEFAULT_CALL or spec.kind == "json":
         return json_reply
+    if spec.kind == "text":  # any text but the call marker (llguidance's lexeme `&` and `~`)
+        marker = re.escape(DEFAULT_CALL[0]).replace("/", "\\/")
+        return Rules(f"reply: TEXT\nTEXT: /(.|\\n)*/ & ~/(.|\\n)*{marker}(.|\\n)*/\n", {})
     start, end = (lark_literal(m) for m in DEFAULT_CALL)
     calls, rules, grammars = [], "", {}
     functions = tuple(t for t in spec.tools if not t.custom)

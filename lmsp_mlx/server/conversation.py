@@ -27,6 +27,7 @@ from pydantic import TypeAdapter
 from ..cache.calls import CallMemory
 from ..engine.constrain import GrammarError
 from ..engine.grammar import ReplySpec, Tool, check_schema
+from ..engine.output import DEFAULT_CALL, OutputFormat
 from ..engine.tools import native_tools
 from ..engine.turn import Conversation
 from ..protocol.problems import Problem
@@ -107,6 +108,8 @@ def reply_spec(req: ResponsesRequest, route: str, choice: str | FunctionTool,
     enforced = any(t.parameters is not None or t.custom for t in offered)
     if schema is not None:
         return ReplySpec("json_or_call", schema=schema, tools=offered) if offered else ReplySpec("json", schema=schema)
+    if choice == "none" and tools:
+        return ReplySpec("text")
     return ReplySpec("calls", tools=offered) if enforced else None
 
 
@@ -178,7 +181,10 @@ def prepare(req: ResponsesRequest, route: str, tokenizer, calls: CallMemory,
     # are held to sending them back.
     if reasoning and not live and route != "chat":
         _check_reasoning(req.items(), calls, offset)
-    conv = Conversation(items, req.instructions, [] if choice == "none" else offered, native_tools(tokenizer), live, head)
+    # Under `none` the tools stay in the prompt where a grammar can keep the reply free of
+    # calls (the `<tool_call>` syntax): the prompt, and so the KV, is the one `auto` has.
+    keep = choice != "none" or OutputFormat.of(tokenizer).call == DEFAULT_CALL
+    conv = Conversation(items, req.instructions, offered if keep else [], native_tools(tokenizer), live, head)
     return conv, reply_spec(req, route, choice, tools)
 
 
