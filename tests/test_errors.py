@@ -197,6 +197,8 @@ def test_v1_errors_are_openai_shaped(client):
     assert err["type"] == "invalid_request_error"  # OpenAI's type for its 404s too
     r = client.post("/v1/responses", json=ask(previous_response_id="resp_gone"))
     assert r.status_code == 404 and r.json()["error"]["code"] == "previous_response_not_found"
+    r = client.post("/v1/responses", json=ask(conversation="conv_123"))  # not silently ignored
+    assert r.status_code == 400 and r.json()["error"]["param"] == "conversation"
     r = client.post("/v1/responses", content=b"{", headers={"content-type": "application/json"})
     assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
 

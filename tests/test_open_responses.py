@@ -154,3 +154,27 @@ def test_input_items_are_listed_and_a_deleted_response_is_gone(tiny_server):
                  lambda: sdk.responses.input_items.list(r.id)):
         with pytest.raises(openai.NotFoundError):
             gone()
+
+
+def test_a_background_response_is_polled_and_cancelled(tiny_server):
+    import time
+
+    import openai
+
+    sdk = openai.OpenAI(base_url=tiny_server.url + "/v1", api_key="unused", max_retries=0)
+    short = {"model": "tiny", "input": "Count these tokens", "temperature": 0, "max_output_tokens": 6}
+    started = sdk.responses.create(**short, background=True)
+    assert started.background and started.status in ("queued", "in_progress") and started.output == []
+    deadline = time.monotonic() + 60
+    while (polled := sdk.responses.retrieve(started.id)).status in ("queued", "in_progress"):
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    assert polled.status == "incomplete" and polled.background
+    assert polled.output_text == sdk.responses.create(**short, store=False).output_text
+    with pytest.raises(openai.BadRequestError):  # only background ones can be cancelled
+        sdk.responses.cancel(sdk.responses.create(**short).id)
+    endless = sdk.responses.create(**{**short, "max_output_tokens": 20000}, background=True)
+    cancelled = sdk.responses.cancel(endless.id)
+    assert cancelled.status == "cancelled" and sdk.responses.retrieve(endless.id).status == "cancelled"
+    with pytest.raises(openai.BadRequestError):  # nothing to poll without the store
+        sdk.responses.create(**short, background=True, store=False)

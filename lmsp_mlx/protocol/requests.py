@@ -259,6 +259,8 @@ class ResponsesRequest(_Strict):
     user: str | None = None
     prompt_cache_key: str | None = None
     safety_identifier: str | None = None
+    conversation: Any = None  # OpenAI's Conversations API, not served: refused (run.check_capabilities)
+    background: bool | None = None  # /v1: run as a task the client polls (server/openai.py)
 
     def items(self) -> list[InputItem]:
         if isinstance(self.input, str):

@@ -182,7 +182,7 @@ def v1_response(resp: ResponseObject, request: Any, completed_at: int | None) ->
         "service_tier": "default",
         "prompt_cache_key": request.prompt_cache_key,
         "safety_identifier": request.safety_identifier,
-        "background": False,
+        "background": bool(request.background) and not request.stream,
         "user": request.user,
     }
 

@@ -18,6 +18,7 @@ from ..protocol.responses import (CustomToolCallOutput, MessageOutput, Reasoning
                                   v1_item, v1_response)
 from .auth import owner, requires
 from .items import ItemEvent
+from .lmsp import stream_lmsp
 from .run import ResponseRun, compact, start_run, stored_response
 from .sse import OpenResponsesEvents, V1Event, sse_response
 from .state import read_json, state
@@ -51,10 +52,39 @@ async def create_response():
     req = parse_request(body)
     if isinstance(body, dict) and body.get("store") is None:
         req = req.model_copy(update={"store": True})  # OpenAI's default, which its clients rely on
+    background = req.background and not req.stream  # a background stream is served as a plain one
+    if background and not req.store:
+        raise Problem("invalid_request", "a background response must be stored (store: true) to be polled",
+                      param="store")
     run = await start_run("v1", req)
+    if background:  # a task: GET /v1/responses/{id} polls it, POST .../cancel stops it
+        task = state().tasks.start(owner(), run, stream_lmsp(run))
+        return {**v1_response(run.response(), run.req, None), "status": task.status}
     if not run.req.stream:
         return v1_response(await run.run_to_end(), run.req, run.completed_at)
     return sse_response(stream_v1(run))
+
+
+@bp.post("/responses/<response_id>/cancel")
+@requires("responses:write")
+async def cancel_response(response_id: str):
+    """Cancel a background response; one that has ended is returned as it is."""
+    s, who = state(), owner()
+    task = next((t for t in list(s.tasks.live.values()) if t.run.id == response_id and t.owner == who), None)
+    if task is None:
+        stored = await stored_response(response_id)
+        req = parse_request(stored.request)
+        if not req.background:
+            raise Problem("invalid_request", "only a background response can be cancelled", param="response_id")
+        return v1_response(ResponseObject.model_validate(stored.response), req, stored.completed_at)
+    if not task.run.req.background:
+        raise Problem("invalid_request", "only a background response can be cancelled", param="response_id")
+    task.run.cancel()
+    try:  # it stops within a decode step or prefill chunk (a queued one at once)
+        await asyncio.wait_for(task.wait(), 5.0)
+    except asyncio.TimeoutError:
+        pass
+    return v1_response(task.run.response(), task.run.req, task.run.completed_at)
 
 
 @bp.post("/responses/compact")

@@ -48,6 +48,9 @@ def check_capabilities(req: ResponsesRequest, capabilities: tuple[str, ...]) -> 
             f"response_format {fmt_type!r} needs the 'structured_output' capability this model lacks",
             param=where,
         )
+    if req.conversation is not None:
+        raise Problem("unsupported_capability", "OpenAI's Conversations API is not served here: chain responses "
+                      "with previous_response_id (store: true), or send the whole conversation", param="conversation")
     if req.previous_response_id is not None and "conversations" not in capabilities:
         raise Problem(
             "unsupported_capability",
