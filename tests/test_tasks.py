@@ -172,6 +172,9 @@ def test_a_task_running_when_the_server_is_killed_is_failed_after_restart(start_
     assert ended["response"]["error"]["code"] == "internal_error" and "restarted" in ended["response"]["error"]["detail"]
     stored = events(again, task["id"])
     assert stored[:6] == seen
+    # The final response holds what the stored events had streamed.
+    text = "".join(e["data"]["delta"] for e in stored if e["event"] == "response.output_text.delta")
+    assert text and ended["response"]["output"][0]["content"] == [{"type": "output_text", "text": text}]
     assert [int(e["id"]) for e in stored] == list(range(1, len(stored) + 1))
     assert stored[-1]["event"] == "response.failed"
 

@@ -36,6 +36,23 @@ def _stored(e: SseEvent) -> StoredEvent:
     return StoredEvent(e.id, e.event, e.data)
 
 
+def output_of(events: list[StoredEvent]) -> list[dict]:
+    """The output items a task's stored events had streamed: what a client following them
+    saw, for the final response of a task the last process left unfinished."""
+    items: dict[int, dict] = {}
+    for e in events:
+        i = e.data.get("output_index")
+        if e.event in ("response.output_item.added", "response.output_item.done"):
+            items[i] = e.data["item"]
+        elif e.event == "response.output_text.delta" and i in items:
+            parts = items[i].setdefault("content", [])
+            parts[:] = [{"type": "output_text", "text": (parts[0]["text"] if parts else "") + e.data["delta"]}]
+        elif e.event == "response.reasoning_summary_text.delta" and i in items:
+            parts = items[i].setdefault("summary", [])
+            parts[:] = [{"type": "summary_text", "text": (parts[0]["text"] if parts else "") + e.data["delta"]}]
+    return [items[i] for i in sorted(items)]
+
+
 class LiveTask:
     def __init__(self, task_id: str, owner: str, run: ResponseRun, log_: TaskLog) -> None:
         self.id = task_id
@@ -189,8 +206,9 @@ class Tasks:
         records = self.log.unfinished()
         for r in records:
             error = Problem("internal_error", "the service restarted while this task was running").document()
+            output = output_of(self.log.events_after(r.id, 0))
             response = {"id": r.response_id, "object": "response", "created_at": int(r.created_at),
-                        "status": "failed", "model": r.request.get("model"), "output": [],
+                        "status": "failed", "model": r.request.get("model"), "output": output,
                         "usage": None, "error": error, "incomplete_details": None}
             final = StoredEvent(r.last_event_id + 1, "response.failed", {
                 "type": "response.failed", "sequence_number": r.last_event_id + 1, "response_id": r.response_id,
