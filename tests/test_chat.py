@@ -103,6 +103,7 @@ def test_tool_calls_and_the_turn_after_them_continue_the_live_kv(start_server, c
     assert [(c.function.name, json.loads(c.function.arguments)) for c in choice.message.tool_calls] == \
         [("get_weather", {"city": "Paris"}), ("get_time", {"zone": "CET"})]
     assert choice.message.reasoning_content == " the"  # the scripted model's reasoning, kept for the replay
+    assert 2 <= first.usage.completion_tokens_details.reasoning_tokens < first.usage.completion_tokens
     messages.append(choice.message.model_dump(exclude_none=True))
     messages += [{"role": "tool", "tool_call_id": c.id, "content": json.dumps({"ok": c.function.name})}
                  for c in choice.message.tool_calls]

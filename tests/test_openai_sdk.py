@@ -18,6 +18,7 @@ def test_responses_create(sdk):
     assert "Paris" in r.output_text
     assert r.usage.input_tokens > 10 and r.usage.output_tokens > 0
     assert r.usage.total_tokens == r.usage.input_tokens + r.usage.output_tokens
+    assert r.usage.output_tokens_details.reasoning_tokens == 0  # SmolLM2 does not reason
 
 
 def test_responses_stream_and_final_response(sdk):

@@ -64,6 +64,8 @@ def test_a_turn_with_reasoning_and_two_calls(caller):
     kinds = [item["type"] for item in resp["output"]]
     assert kinds == ["reasoning", "function_call", "function_call"]
     assert resp["output"][0]["summary"] == [{"type": "summary_text", "text": " the"}]
+    reasoning = resp["usage"]["output_tokens_details"]["reasoning_tokens"]
+    assert 2 <= reasoning < resp["usage"]["output_tokens"]  # " the" and the closing tag, not the calls
     weather, time_ = resp["output"][1:]
     assert (weather["name"], json.loads(weather["arguments"])) == ("get_weather", {"city": "Paris"})
     assert (time_["name"], json.loads(time_["arguments"])) == ("get_time", {"zone": "CET"})

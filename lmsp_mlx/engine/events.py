@@ -38,6 +38,7 @@ class Usage:
     input_tokens: int
     output_tokens: int
     cached_tokens: int = 0
+    reasoning_tokens: int = 0  # of output_tokens, those up to the end of the think block
 
     @property
     def total_tokens(self) -> int:

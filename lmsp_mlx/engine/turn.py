@@ -93,7 +93,9 @@ class Conversation:
 class TurnOutput:
     """Feeds the sampled text through the parser and re-emits protocol-level events."""
 
-    def __init__(self, tokenizer, conv: Conversation, prompt_text: str, emit: Callable[[GenerationEvent], None]):
+    def __init__(self, tokenizer, conv: Conversation, prompt_text: str, emit: Callable[[GenerationEvent], None],
+                 sampled: list[int] | None = None):
+        """`sampled`: the reply's tokens as they are sampled, to count the reasoning's."""
         fmt = OutputFormat.of(tokenizer)
         tools = {t.name: t for t in conv.tools} if conv.tools else None
         opens = fmt.opens_in_reasoning(prompt_text)
@@ -106,6 +108,8 @@ class TurnOutput:
         self.reasoning: list[str] = []
         self.text: list[str] = []
         self.calls: list[ToolCall] = []
+        self._sampled = sampled if sampled is not None else []
+        self._reasoning_end: int | None = None  # tokens sampled when the think block closed
 
     def feed(self, piece: str) -> None:
         self._send(self.parser.feed(piece))
@@ -124,9 +128,18 @@ class TurnOutput:
                 self.reasoning.append(e.text)
             elif isinstance(e, ReasoningEnd):
                 e = ReasoningEnd(self._opening + e.raw)
+                self._reasoning_end = len(self._sampled)
             elif isinstance(e, TextDelta):
                 self.text.append(e.text)
             self._emit(e)
+
+    def reasoning_tokens(self, output_tokens: int) -> int:
+        """How many of the reply's tokens were reasoning: those sampled until its closing tag
+        was read (the tag's own included; a detokenizer may read it a token late), or all of
+        them when the turn ended inside the think block."""
+        if self._reasoning_end is not None:
+            return min(self._reasoning_end, output_tokens)
+        return output_tokens if self.reasoning and not self.text and not self.calls else 0
 
     def output_items(self) -> list[InputItem]:
         """This turn's output as a client replays it."""

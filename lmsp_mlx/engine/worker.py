@@ -233,8 +233,8 @@ class Engine:
             max_tokens=min(job.params.max_tokens, lm.context_length - len(start.tokens)),
         )
         conv = job.conv or Conversation(items=[])
-        turn = TurnOutput(lm.tokenizer, conv, job.text, job.emit)
         sampled: list[int] = []
+        turn = TurnOutput(lm.tokenizer, conv, job.text, job.emit, sampled)
 
         def emit(event: GenerationEvent) -> None:
             if isinstance(event, TextDelta):
@@ -257,6 +257,7 @@ class Engine:
             return
         if done.reason != "cancelled":
             turn.finish(cut=done.reason == "length")
+            done = replace(done, usage=replace(done.usage, reasoning_tokens=turn.reasoning_tokens(done.usage.output_tokens)))
         job.emit(done)
         if done.reason != "cancelled" and job.conv is not None:
             calls = turn.remember(self.calls)

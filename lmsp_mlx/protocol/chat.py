@@ -214,7 +214,7 @@ def chat_usage(resp: ResponseObject) -> dict[str, Any] | None:
         return None
     return {"prompt_tokens": u.input_tokens, "completion_tokens": u.output_tokens, "total_tokens": u.total_tokens,
             "prompt_tokens_details": {"cached_tokens": u.input_tokens_details.cached_tokens},
-            "completion_tokens_details": {"reasoning_tokens": 0}}
+            "completion_tokens_details": {"reasoning_tokens": u.output_tokens_details.reasoning_tokens}}
 
 
 def completion(cid: str, resp: ResponseObject, content: str | None, reasoning: str,

@@ -65,11 +65,16 @@ class InputTokensDetails(BaseModel):
     cached_tokens: int = 0  # prompt tokens whose KV state was reused, not prefilled
 
 
+class OutputTokensDetails(BaseModel):
+    reasoning_tokens: int = 0  # output tokens spent in the think block
+
+
 class ResponseUsage(BaseModel):
     input_tokens: int
     output_tokens: int
     total_tokens: int
     input_tokens_details: InputTokensDetails = InputTokensDetails()
+    output_tokens_details: OutputTokensDetails = OutputTokensDetails()
 
 
 class IncompleteDetails(BaseModel):
@@ -192,5 +197,4 @@ def v1_usage(usage: ResponseUsage) -> dict[str, Any]:
     the session's KV, which this server keeps for the next turn (`cache_write_tokens`)."""
     out = usage.model_dump()
     out["input_tokens_details"]["cache_write_tokens"] = usage.input_tokens - usage.input_tokens_details.cached_tokens
-    out["output_tokens_details"] = {"reasoning_tokens": 0}
     return out

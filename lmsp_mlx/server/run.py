@@ -25,7 +25,8 @@ from ..protocol.problems import Problem
 from ..protocol.requests import (FunctionCallItem, FunctionCallOutputItem, InputItem, MessageItem, ReasoningItem,
                                  ResponsesRequest, parse_request)
 from ..store.responses import Stored
-from ..protocol.responses import IncompleteDetails, InputTokensDetails, MessageOutput, ResponseObject, ResponseUsage
+from ..protocol.responses import (IncompleteDetails, InputTokensDetails, MessageOutput, OutputTokensDetails,
+                                  ResponseObject, ResponseUsage)
 from .auth import owner
 from . import compaction
 from .conversation import open_reasoning, prepare
@@ -195,6 +196,7 @@ class ResponseRun:
                 self.usage = ResponseUsage(
                     input_tokens=u.input_tokens, output_tokens=u.output_tokens, total_tokens=u.total_tokens,
                     input_tokens_details=InputTokensDetails(cached_tokens=u.cached_tokens),
+                    output_tokens_details=OutputTokensDetails(reasoning_tokens=u.reasoning_tokens),
                 )
                 if event.reason == "length":
                     self.status = "incomplete"
