@@ -117,7 +117,7 @@ def test_tool_calls_and_the_turn_after_them_continue_the_live_kv(start_server, c
         {"id": "call_elsewhere", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}]},
         {"role": "tool", "tool_call_id": "call_elsewhere", "content": "rain"}]
     answered = sdk.chat.completions.create(model="tiny", messages=foreign, tools=CHAT_TOOLS, temperature=0, max_tokens=8)
-    assert answered.choices[0].finish_reason in ("tool_calls", "length", "stop")
+    assert answered.choices[0].finish_reason == "tool_calls"  # the script calls again, whatever it is told
     assert "route=chat" in server.log()
     single = sdk.chat.completions.create(model="tiny", messages=messages[:1], tools=CHAT_TOOLS, temperature=0,
                                          max_tokens=40, parallel_tool_calls=False)

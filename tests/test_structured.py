@@ -222,6 +222,9 @@ def test_allowed_tools_narrow_the_calls_and_keep_the_prompt(server):
     bad = httpx.post(server.url + "/v1/responses", json={**body, "tool_choice": {
         "type": "allowed_tools", "mode": "required", "tools": [{"type": "function", "name": "get_news"}]}}, timeout=60)
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "tool_choice.tools"
+    malformed = httpx.post(server.url + "/v1/responses", json={**body, "tool_choice": {
+        "type": "allowed_tools", "mode": "required", "tools": [{"type": "function", "name": ["get_time"]}]}}, timeout=60)
+    assert malformed.status_code == 400 and malformed.json()["error"]["param"] == "tool_choice.tools[0].name"
 
 
 @pytest.mark.parametrize("kind", ["json", "call"])

@@ -158,7 +158,7 @@ def test_a_task_running_when_the_server_is_killed_is_failed_after_restart(start_
     store = str(tmp_path / "store.sqlite3")
     args = ("--model", str(tiny_model_dir), "--model-id", "tiny", "--store", store)
     server = start_server(*args)
-    task = create(server, ask(max_output_tokens=20000)).json()
+    task = create(server, ask(max_output_tokens=20000, store=True)).json()
     seen = events(server, task["id"], stop_after=6)
     deadline = time.monotonic() + 60  # until a flush put those events on disk (a busy machine may be slow)
     while stored_events(store, task["id"]) < 6:
@@ -175,6 +175,8 @@ def test_a_task_running_when_the_server_is_killed_is_failed_after_restart(start_
     # The final response holds what the stored events had streamed.
     text = "".join(e["data"]["delta"] for e in stored if e["event"] == "response.output_text.delta")
     assert text and ended["response"]["output"][0]["content"] == [{"type": "output_text", "text": text}]
+    # It was stored: its response is there, failed, for a client that polls it rather than the task.
+    assert httpx.get(f"{again.url}/lmsp/v1/responses/{task['response_id']}").json() == ended["response"]
     assert [int(e["id"]) for e in stored] == list(range(1, len(stored) + 1))
     assert stored[-1]["event"] == "response.failed"
 

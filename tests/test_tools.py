@@ -103,6 +103,15 @@ def test_parallel_tool_calls_false_ends_the_turn_at_its_first_call(caller):
     assert cached(replay) >= first["usage"]["input_tokens"] + first["usage"]["output_tokens"]
 
 
+def test_allowed_tools_without_a_grammar_still_parse_only_the_allowed_calls(caller):
+    # strict: false, so nothing stops the script from writing both calls: the one not
+    # allowed stays text instead of becoming a call the client did not allow.
+    choice = {"type": "allowed_tools", "mode": "auto", "tools": [{"type": "function", "name": "get_time"}]}
+    resp = post(caller, {"input": [QUESTION], "tools": TOOLS, "tool_choice": choice}).json()
+    assert [o["name"] for o in resp["output"] if o["type"] == "function_call"] == ["get_time"]
+    assert "get_weather" in "".join(p["text"] for o in resp["output"] if o["type"] == "message" for p in o["content"])
+
+
 def test_exact_replay_renders_the_sampled_call_text(caller, caller_dir):
     from lmsp_mlx.cache.calls import CallMemory, CallTurn
     from lmsp_mlx.engine.render import to_chat_messages

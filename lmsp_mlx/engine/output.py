@@ -62,6 +62,7 @@ class OutputParser:
     _buf: str = ""
     _fed: list[str] = field(default_factory=list)  # every piece, for the raw reasoning text
     _cut: bool = False  # finish(cut=True): the token limit ended the turn
+    dropped: bool = False  # the cut dropped sampled text: the KV holds more than the reply shows
 
     def feed(self, piece: str) -> list:
         self._buf += piece
@@ -94,7 +95,7 @@ class OutputParser:
                         return out
                     if close and self._cut:
                         log.info("the token limit cut a tool call (%d characters); dropped from the reply", len(self._buf))
-                        self._buf = ""
+                        self._buf, self.dropped = "", True
                         return out
                     if close:  # the model ended its turn inside a call: it stays text
                         log.warning("tool call not closed before the turn ended; kept as text")
@@ -121,10 +122,11 @@ class OutputParser:
                 else:
                     self.state = "reasoning"
                 continue
-            keep = _held_back(self._buf, self._markers()) if not final or self._cut and self.tools is not None else 0
-            if final and keep:  # cut while writing a marker: dropped like the call it began
-                self._buf = self._buf[: len(self._buf) - keep]
-                keep = 0
+            keep = 0 if final else _held_back(self._buf, self._markers())
+            if final and self._cut and self.state == "text" and self.tools is not None:
+                # Cut while writing the call marker: dropped like the call it began.
+                if begun := _held_back(self._buf, [self.fmt.call[0]]):
+                    self._buf, self.dropped = self._buf[: len(self._buf) - begun], True
             out.append(self._piece(self._buf[: len(self._buf) - keep]))
             self._buf = self._buf[len(self._buf) - keep:]
             return [e for e in out if e is not None]

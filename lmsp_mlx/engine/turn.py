@@ -44,6 +44,7 @@ class Conversation:
     native_tools: bool = False
     live_calls: tuple[str, ...] = ()  # a tool-output-only request: the live calls it continues
     head: str = ""
+    callable: tuple[str, ...] | None = None  # the tools the reply may call, by name; None: all of `tools`
 
     def messages(self, memory: CallMemory | None, more: list[InputItem] = (), hidden: list[str] | None = None) -> list[dict]:
         return to_chat_messages(
@@ -94,10 +95,12 @@ class TurnOutput:
     """Feeds the sampled text through the parser and re-emits protocol-level events."""
 
     def __init__(self, tokenizer, conv: Conversation, prompt_text: str, emit: Callable[[GenerationEvent], None],
-                 sampled: list[int] | None = None):
-        """`sampled`: the reply's tokens as they are sampled, to count the reasoning's."""
+                 sampled: list[int] | None = None, one_call: bool = False):
+        """`sampled`: the reply's tokens as they are sampled, to count the reasoning's.
+        `one_call` (parallel_tool_calls false): calls after the first are not the reply's
+        (formats that parse calls only at the turn's end, or several from one block)."""
         fmt = OutputFormat.of(tokenizer)
-        tools = {t.name: t for t in conv.tools} if conv.tools else None
+        tools = {t.name: t for t in conv.tools if conv.callable is None or t.name in conv.callable} or None
         opens = fmt.opens_in_reasoning(prompt_text)
         self.parser = OutputParser(fmt, tools, state="reasoning" if opens else "text")
         # The opening tag the template put in the prompt belongs to the turn's raw reasoning.
@@ -109,6 +112,8 @@ class TurnOutput:
         self.text: list[str] = []
         self.calls: list[ToolCall] = []
         self._sampled = sampled if sampled is not None else []
+        self.one_call = one_call
+        self._skipped = False
         self._reasoning_end: int | None = None  # tokens sampled when the think block closed
 
     def feed(self, piece: str) -> None:
@@ -120,6 +125,10 @@ class TurnOutput:
 
     def _send(self, events: list) -> None:
         for e in events:
+            if isinstance(e, ParsedCall) and self.one_call and self.calls:
+                log.info("parallel_tool_calls is false: a further call (%s) is not part of the reply", e.name)
+                self._skipped = True
+                continue
             if isinstance(e, ParsedCall):
                 e = ToolCall(id=new_id("ctc" if e.custom else "fc"), call_id=new_id("call"), name=e.name,
                              arguments=e.arguments, custom=e.custom)
@@ -132,6 +141,12 @@ class TurnOutput:
             elif isinstance(e, TextDelta):
                 self.text.append(e.text)
             self._emit(e)
+
+    @property
+    def dropped(self) -> bool:
+        """Sampled text is missing from the reply (a cut call, a call past the first): the
+        KV holds more than a client can replay."""
+        return self.parser.dropped or self._skipped
 
     def reasoning_tokens(self, output_tokens: int) -> int:
         """How many of the reply's tokens were reasoning: those sampled until its closing tag

@@ -31,7 +31,7 @@ from .turn import Conversation, TurnOutput
 log = logging.getLogger("lmsp_mlx.engine")
 
 
-@dataclass
+@dataclass(eq=False)  # compared by identity (Engine.withdraw finds it in the queue)
 class Job:
     params: GenerationParams
     route: str
@@ -234,7 +234,7 @@ class Engine:
         )
         conv = job.conv or Conversation(items=[])
         sampled: list[int] = []
-        turn = TurnOutput(lm.tokenizer, conv, job.text, job.emit, sampled)
+        turn = TurnOutput(lm.tokenizer, conv, job.text, job.emit, sampled, one_call=job.params.one_call)
 
         def emit(event: GenerationEvent) -> None:
             if isinstance(event, TextDelta):
@@ -260,10 +260,12 @@ class Engine:
             done = replace(done, usage=replace(done.usage, reasoning_tokens=turn.reasoning_tokens(done.usage.output_tokens)))
         job.emit(done)
         if done.reason != "cancelled" and job.conv is not None:
-            calls = turn.remember(self.calls)
+            calls = None if turn.dropped else turn.remember(self.calls)  # its sampled text is not the reply's
             ended = lm.tokenizer.decode(sampled[-1:]) if done.reason == "stop" else ""
             try:
-                binding = turn.binding(self.calls, ended)
+                # A reply that dropped sampled text (TurnOutput.dropped) is not what the KV
+                # holds: bound to its transcript, a replay would continue hidden text.
+                binding = None if turn.dropped else turn.binding(self.calls, ended)
             except Exception:  # the reply is out; without a binding only the next lookup is slower
                 log.exception("the turn's visible transcript could not be rendered")
         self._log(job, lm, _STATUS[done.reason], done.usage, done.prefill_tps, done.decode_tps, extra)

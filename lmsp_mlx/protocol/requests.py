@@ -211,6 +211,19 @@ def _tool(raw: dict[str, Any], where: str) -> FunctionTool:
         raise Problem("invalid_request", f"{where}.{field}: {err['msg']}", param=f"{where}.{field}") from None
 
 
+class ToolRef(_Strict):
+    type: Literal["function", "custom"] = "function"
+    name: str
+
+
+class AllowedTools(_Strict):
+    """tool_choice `{"type": "allowed_tools", "mode", "tools"}`: the reply may call only these."""
+
+    type: Literal["allowed_tools"]
+    mode: Literal["auto", "required"]
+    tools: list[ToolRef]
+
+
 class TextFormat(_Strict):
     type: Literal["text", "json_schema", "json_object"]
     model_config = ConfigDict(extra="allow", strict=True)

@@ -56,8 +56,8 @@ def create_app(engine: Engine, settings: ServerSettings, tokens: Tokens, db: Dat
     if "conversations" not in engine.model.capabilities:  # the store is always there
         engine.model.capabilities = (*engine.model.capabilities, "conversations")
     tasks = Tasks(TaskLog(db), IdempotencyKeys(db))
-    tasks.recover()
     responses = StoredResponses(db)
+    tasks.recover(responses)
     app.extensions["lmsp_mlx"] = ServerState(engine, settings, tokens, responses, tasks,
                                              Sealer(state_key, engine.model.fingerprint))
     app.register_blueprint(lmsp.bp)

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import logging
 
-from pydantic import TypeAdapter
+from pydantic import TypeAdapter, ValidationError
 
 from ..cache.calls import CallMemory
 from ..engine.constrain import GrammarError
@@ -32,6 +32,7 @@ from ..engine.tools import native_tools
 from ..engine.turn import Conversation
 from ..protocol.problems import Problem
 from ..protocol.requests import (
+    AllowedTools,
     FunctionCallItem,
     FunctionCallOutputItem,
     FunctionTool,
@@ -40,6 +41,7 @@ from ..protocol.requests import (
     ReasoningItem,
     ResponsesRequest,
     function_tools,
+    validation_problem,
 )
 
 from .sealing import Sealer, SealError
@@ -54,18 +56,26 @@ def tool_choice(req: ResponsesRequest, tools: list[FunctionTool]) -> tuple[str |
     KV of a conversation whose allowed set changes turn by turn is reused)."""
     choice = req.tool_choice or "auto"
     if isinstance(choice, dict) and choice.get("type") == "allowed_tools":
-        mode, listed = choice.get("mode"), choice.get("tools")
-        if mode not in ("auto", "required") or not isinstance(listed, list):
-            raise Problem("invalid_request", 'allowed_tools needs "mode" ("auto" or "required") and a "tools" list',
-                          param="tool_choice")
-        names = {t.get("name") for t in listed if isinstance(t, dict)}
-        unknown = names - {t.name for t in tools}
+        try:
+            allowed = AllowedTools.model_validate(choice)
+        except ValidationError as exc:
+            problem = validation_problem(exc, frozenset())
+            raise Problem("invalid_request", f"tool_choice.{problem.detail}",
+                          param=f"tool_choice.{problem.param}" if problem.param else "tool_choice") from None
+        unknown = [r.name for r in allowed.tools if not any(_named(t, r.name) for t in tools)]
         if unknown:
-            raise Problem("invalid_request", f"tool_choice.tools names {sorted(map(str, unknown))}, which are not "
-                          "among the request's tools", param="tool_choice.tools")
-        tools = [t for t in tools if t.name in names]
-        return _plain_choice(mode, tools), tools
+            raise Problem("invalid_request", f"tool_choice.tools names {unknown}, which are not among the request's "
+                          "tools", param="tool_choice.tools")
+        tools = [t for t in tools if any(_named(t, r.name) for r in allowed.tools)]
+        if not tools and allowed.mode == "auto":
+            return "none", []
+        return _plain_choice(allowed.mode, tools), tools
     return _plain_choice(choice, tools), tools
+
+
+def _named(tool: FunctionTool, name: str) -> bool:
+    """A tool is named by its name, or within a Codex namespace group by its last part."""
+    return tool.name == name or tool.name.endswith("." + name)
 
 
 def _plain_choice(choice: str | dict, tools: list[FunctionTool]) -> str | FunctionTool:
@@ -78,14 +88,14 @@ def _plain_choice(choice: str | dict, tools: list[FunctionTool]) -> str | Functi
         raise Problem("invalid_request", "tool_choice must be auto, none, required or "
                       "{\"type\": \"function\", \"name\": ...}", param="tool_choice")
     for t in tools:
-        if t.name == name or t.name.endswith("." + name):
+        if _named(t, name):
             return t
     raise Problem("invalid_request", f"tool_choice names {name!r}, which is not among the request's tools",
                   param="tool_choice.name")
 
 
 def reply_spec(req: ResponsesRequest, route: str, choice: str | FunctionTool,
-               tools: list[FunctionTool]) -> ReplySpec | None:
+               tools: list[FunctionTool], offered: list[FunctionTool]) -> ReplySpec | None:
     """The constraint on the reply: a forced call, JSON for a schema, strict calls, or none.
 
     `required` and a named choice force one call with valid arguments (a schema that cannot
@@ -101,16 +111,17 @@ def reply_spec(req: ResponsesRequest, route: str, choice: str | FunctionTool,
             check_schema(schema, where)
         except GrammarError as exc:
             raise Problem("invalid_request", str(exc), param=where) from None
+    # `tools`: those the reply may call; `offered`: all the request's (indexes in errors).
     if isinstance(choice, FunctionTool) or choice == "required":
         chosen = [choice] if isinstance(choice, FunctionTool) else tools
-        return ReplySpec("call", tools=tuple(_tool(t, tools.index(t), enforce=True, forced=True) for t in chosen))
-    offered = tuple(_tool(t, i, enforce=t.strict is not False) for i, t in enumerate(tools)) if choice == "auto" else ()
-    enforced = any(t.parameters is not None or t.custom for t in offered)
+        return ReplySpec("call", tools=tuple(_tool(t, offered.index(t), enforce=True, forced=True) for t in chosen))
+    callable_ = tuple(_tool(t, offered.index(t), enforce=t.strict is not False) for t in tools) if choice == "auto" else ()
+    enforced = any(t.parameters is not None or t.custom for t in callable_)
     if schema is not None:
-        return ReplySpec("json_or_call", schema=schema, tools=offered) if offered else ReplySpec("json", schema=schema)
-    if choice == "none" and tools:
+        return ReplySpec("json_or_call", schema=schema, tools=callable_) if callable_ else ReplySpec("json", schema=schema)
+    if choice == "none" and offered:
         return ReplySpec("text")
-    return ReplySpec("calls", tools=offered) if enforced else None
+    return ReplySpec("calls", tools=callable_) if enforced else None
 
 
 def _tool(t: FunctionTool, index: int, enforce: bool, forced: bool = False) -> Tool:
@@ -184,8 +195,12 @@ def prepare(req: ResponsesRequest, route: str, tokenizer, calls: CallMemory,
     # Under `none` the tools stay in the prompt where a grammar can keep the reply free of
     # calls (the `<tool_call>` syntax): the prompt, and so the KV, is the one `auto` has.
     keep = choice != "none" or OutputFormat.of(tokenizer).call == DEFAULT_CALL
-    conv = Conversation(items, req.instructions, offered if keep else [], native_tools(tokenizer), live, head)
-    return conv, reply_spec(req, route, choice, tools)
+    # What the output parser reads as calls: only tools the reply may call (a call of any
+    # other stays text, where no grammar stopped the model from writing it).
+    callable_ = () if choice == "none" else None if len(tools) == len(offered) else tuple(t.name for t in tools)
+    conv = Conversation(items, req.instructions, offered if keep else [], native_tools(tokenizer), live, head,
+                        callable=callable_)
+    return conv, reply_spec(req, route, choice, tools, offered)
 
 
 def sealed_problem(index: int, offset: int, what: str, why: SealError) -> Problem:

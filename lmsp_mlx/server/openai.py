@@ -79,11 +79,7 @@ async def cancel_response(response_id: str):
         return v1_response(ResponseObject.model_validate(stored.response), req, stored.completed_at)
     if not task.run.req.background:
         raise Problem("invalid_request", "only a background response can be cancelled", param="response_id")
-    task.run.cancel()
-    try:  # it stops within a decode step or prefill chunk (a queued one at once)
-        await asyncio.wait_for(task.wait(), 5.0)
-    except asyncio.TimeoutError:
-        pass
+    await task.cancel()
     return v1_response(task.run.response(), task.run.req, task.run.completed_at)
 
 

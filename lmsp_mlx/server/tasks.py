@@ -21,7 +21,7 @@ from typing import AsyncIterator
 
 from ..protocol.ids import new_id
 from ..protocol.problems import Problem
-from ..store import IdempotencyKeys, StoredEvent, TaskLog, TaskRecord
+from ..store import IdempotencyKeys, StoredEvent, StoredResponses, TaskLog, TaskRecord
 from ..store.keys import body_hash
 from .run import ResponseRun
 from .sse import SseEvent
@@ -30,6 +30,7 @@ log = logging.getLogger("lmsp_mlx.server")
 
 FLUSH_EVERY = 64
 FLUSH_SECONDS = 0.25
+CANCEL_WAIT_S = 5.0
 
 
 def _stored(e: SseEvent) -> StoredEvent:
@@ -47,6 +48,8 @@ def output_of(events: list[StoredEvent]) -> list[dict]:
         elif e.event == "response.output_text.delta" and i in items:
             parts = items[i].setdefault("content", [])
             parts[:] = [{"type": "output_text", "text": (parts[0]["text"] if parts else "") + e.data["delta"]}]
+        elif e.event == "response.function_call_arguments.delta" and i in items:
+            items[i]["arguments"] = items[i].get("arguments", "") + e.data["delta"]
         elif e.event == "response.reasoning_summary_text.delta" and i in items:
             parts = items[i].setdefault("summary", [])
             parts[:] = [{"type": "summary_text", "text": (parts[0]["text"] if parts else "") + e.data["delta"]}]
@@ -117,6 +120,15 @@ class LiveTask:
     async def wait(self) -> None:
         async with self._changed:
             await self._changed.wait_for(lambda: self.done)
+
+    async def cancel(self) -> None:
+        """Stop it and wait (bounded) for its end, so the reply can say `cancelled`: the
+        worker stops within a decode step or prefill chunk, a queued job at once."""
+        self.run.cancel()
+        try:
+            await asyncio.wait_for(self.wait(), CANCEL_WAIT_S)
+        except asyncio.TimeoutError:
+            pass
 
 
 @dataclass
@@ -201,8 +213,9 @@ class Tasks:
 
         return replay()
 
-    def recover(self) -> int:
-        """At start: tasks the last process left running end `failed` with a final event."""
+    def recover(self, responses: StoredResponses) -> int:
+        """At start: tasks the last process left running end `failed` with a final event;
+        a stored one's response is kept failed too (a /v1 background client polls it)."""
         records = self.log.unfinished()
         for r in records:
             error = Problem("internal_error", "the service restarted while this task was running").document()
@@ -215,6 +228,8 @@ class Tasks:
                 "status": "failed", "error": error,
             })
             self.log.append(r.id, [final], "failed", response)
+            if r.request.get("store"):
+                responses.put(r.owner, r.request, response, int(time.time()))
         if records:
             log.warning("%d task(s) were running when the service stopped: marked failed", len(records))
         return len(records)
