@@ -59,10 +59,15 @@ def test_a_stop_sequence_ends_the_reply_before_it_streamed_or_not(sdk):
         cut = sdk.chat.completions.create(model=DEFAULT_MODEL_ID, messages=COUNT, temperature=0, max_tokens=40, stop=stop)
         expected = text[: text.index("5" if stop == "5" else "4\n5")]
         assert cut.choices[0].message.content == expected and cut.choices[0].finish_reason == "stop"
-        streamed = sdk.chat.completions.create(model=DEFAULT_MODEL_ID, messages=COUNT, temperature=0, max_tokens=40,
-                                               stop=stop, stream=True)
+        streamed = list(sdk.chat.completions.create(model=DEFAULT_MODEL_ID, messages=COUNT, temperature=0,
+                                                    max_tokens=40, stop=stop, stream=True,
+                                                    stream_options={"include_usage": True}))
         pieces = [c.choices[0] for c in streamed if c.choices]
         assert "".join(p.delta.content or "" for p in pieces) == expected and pieces[-1].finish_reason == "stop"
+        # The turn ends on the token that completes the stop: the same usage every time.
+        assert streamed[-1].usage.completion_tokens == cut.usage.completion_tokens < free.usage.completion_tokens
+        again = sdk.chat.completions.create(model=DEFAULT_MODEL_ID, messages=COUNT, temperature=0, max_tokens=40, stop=stop)
+        assert again.usage.completion_tokens == cut.usage.completion_tokens
 
 
 def test_the_stop_scanner_holds_back_only_what_may_begin_a_stop():

@@ -45,6 +45,7 @@ class GenerationParams:
     cached: int = 0  # leading prompt tokens already in the cache passed to generate()
     constraint: Any = None  # constrain.Constraint: a grammar the output must follow
     one_call: bool = False  # parallel_tool_calls false: the turn ends with its first tool call
+    stop: tuple[str, ...] = ()  # Chat's stop sequences: the turn ends on the token that completes one
 
 
 def prefill(lm: LoadedModel, tokens: list[int], cache: list, step: int, check: Callable[[int, int], None]) -> None:

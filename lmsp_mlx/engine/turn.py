@@ -95,10 +95,11 @@ class TurnOutput:
     """Feeds the sampled text through the parser and re-emits protocol-level events."""
 
     def __init__(self, tokenizer, conv: Conversation, prompt_text: str, emit: Callable[[GenerationEvent], None],
-                 sampled: list[int] | None = None, one_call: bool = False):
+                 sampled: list[int] | None = None, one_call: bool = False, stop: tuple[str, ...] = ()):
         """`sampled`: the reply's tokens as they are sampled, to count the reasoning's.
         `one_call` (parallel_tool_calls false): calls after the first are not the reply's
-        (formats that parse calls only at the turn's end, or several from one block)."""
+        (formats that parse calls only at the turn's end, or several from one block).
+        `stop`: Chat's stop sequences; `stopped` once the reply's text holds one."""
         fmt = OutputFormat.of(tokenizer)
         tools = {t.name: t for t in conv.tools if conv.callable is None or t.name in conv.callable} or None
         opens = fmt.opens_in_reasoning(prompt_text)
@@ -114,6 +115,8 @@ class TurnOutput:
         self._sampled = sampled if sampled is not None else []
         self.one_call = one_call
         self._skipped = False
+        self.stop = stop
+        self.stopped = False
         self._reasoning_end: int | None = None  # tokens sampled when the think block closed
 
     def feed(self, piece: str) -> None:
@@ -140,13 +143,16 @@ class TurnOutput:
                 self._reasoning_end = len(self._sampled)
             elif isinstance(e, TextDelta):
                 self.text.append(e.text)
+                if self.stop and not self.stopped:
+                    tail = "".join(self.text)[-(max(map(len, self.stop)) + len(e.text)):]
+                    self.stopped = any(s in tail for s in self.stop)
             self._emit(e)
 
     @property
     def dropped(self) -> bool:
-        """Sampled text is missing from the reply (a cut call, a call past the first): the
-        KV holds more than a client can replay."""
-        return self.parser.dropped or self._skipped
+        """Sampled text is missing from the reply (a cut call, a call past the first, text
+        from a stop sequence on): the KV holds more than a client can replay."""
+        return self.parser.dropped or self._skipped or self.stopped
 
     def reasoning_tokens(self, output_tokens: int) -> int:
         """How many of the reply's tokens were reasoning: those sampled until its closing tag

@@ -234,7 +234,8 @@ class Engine:
         )
         conv = job.conv or Conversation(items=[])
         sampled: list[int] = []
-        turn = TurnOutput(lm.tokenizer, conv, job.text, job.emit, sampled, one_call=job.params.one_call)
+        turn = TurnOutput(lm.tokenizer, conv, job.text, job.emit, sampled, one_call=job.params.one_call,
+                          stop=job.params.stop)
 
         def emit(event: GenerationEvent) -> None:
             if isinstance(event, TextDelta):
@@ -245,7 +246,7 @@ class Engine:
         prompt_len, extra, binding, calls = len(start.tokens), "", None, None
         try:
             done = generate(lm, params, emit, lambda: job.cancelled, cache=start.session.cache, sampled=sampled,
-                            whole=lambda: params.one_call and bool(turn.calls))
+                            whole=lambda: params.one_call and bool(turn.calls) or turn.stopped)
         except Cancelled as stop:
             done = Finished("cancelled", Usage(prompt_len, stop.produced, start.cached))
             extra = f" prefilled={stop.prefilled}/{prompt_len}"

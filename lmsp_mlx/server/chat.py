@@ -2,9 +2,9 @@
 sessions and tool-call continuation as /v1/responses (protocol/chat.py maps the body).
 
 The one thing Chat has that Responses does not is `stop`: the reply ends before the first
-stop sequence. Text that could be the start of one is held back until it is not, so a
-stream never shows a stop sequence's first characters; at a match the generation is
-cancelled like a client that left.
+stop sequence. The engine ends the turn on the token that completes one (so usage is the
+same every time); here the text is cut there, and text that could be the start of one is
+held back until it is not, so a stream never shows a stop sequence's first characters.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ async def create_chat_completion():
     origin: list[int] = []
     try:
         req, origin = to_responses(chat)
-        run = await start_run("chat", req)
+        run = await start_run("chat", req, stop=tuple(chat.stops()))
     except Problem as problem:
         raise chat_param(problem, origin, chat) from None
     reply = ChatReply(run, chat)
@@ -82,10 +82,8 @@ class ChatReply:
         async for e in self.run.events():
             if self.stopped:
                 continue
-            if e.kind == "text":
+            if e.kind == "text":  # the engine ends the turn on the token that completes a stop
                 text, self.stopped = self.scanner.feed(e.delta)
-                if self.stopped:
-                    self.run.cancel()
                 if text:
                     yield {"content": text}
             elif e.kind == "reasoning":  # stop sequences apply to the content only
@@ -109,10 +107,10 @@ class ChatReply:
 
     def failure(self) -> Problem | None:
         """Why the run ended without an answer: the generation failed, or the server is
-        shutting down (a stop sequence's cancel is an answer)."""
+        shutting down."""
         if self.run.status == "failed":
             return Problem(self.run.error["code"], self.run.error["detail"])
-        if self.run.status == "cancelled" and not self.stopped:
+        if self.run.status == "cancelled":
             return Problem("internal_error", "the server is shutting down")
         return None
 

@@ -70,7 +70,8 @@ class ResponseRun:
 
     def __init__(self, engine: Engine, req: ResponsesRequest, route: str, prefill_step: int, sealer: Sealer,
                  histories: compaction.Histories, history: list[InputItem] | None = None,
-                 keep: Callable[["ResponseRun"], None] | None = None, compact: bool = False) -> None:
+                 keep: Callable[["ResponseRun"], None] | None = None, compact: bool = False,
+                 stop: tuple[str, ...] = ()) -> None:
         lm = engine.model
         assert lm is not None
         if req.model != lm.id:
@@ -97,6 +98,7 @@ class ResponseRun:
         self.histories = histories
         self.compact = compact
         self.compacted: str | None = None
+        self.stop = stop  # Chat's stop sequences (server/chat.py trims the text at them)
 
     async def start(self) -> None:
         """Render and measure the prompt (off the event loop), then queue the job."""
@@ -147,6 +149,7 @@ class ResponseRun:
             prefill_step=self.prefill_step,
             constraint=constraint,
             one_call=self.req.parallel_tool_calls is False,
+            stop=self.stop,
         )
         self.job = self.engine.submit(params, self.route, text=prompt.text, conv=conv, visible=visible,
                                       keep_history=self.compacted)
@@ -320,7 +323,7 @@ async def stored_response(response_id: str) -> Stored:
 
 
 async def start_run(route: str, req: ResponsesRequest, local: dict[str, Stored] | None = None,
-                    compact: bool = False) -> ResponseRun:
+                    compact: bool = False, stop: tuple[str, ...] = ()) -> ResponseRun:
     """Queue a request's generation, its stored history first: the common start of every
     route. `local`: a WebSocket connection's own responses, which chain with
     previous_response_id even when not stored; each finished run is added to it.
@@ -344,6 +347,6 @@ async def start_run(route: str, req: ResponsesRequest, local: dict[str, Stored] 
             s.responses.put(who, done.request, done.response, done.completed_at)
 
     run = ResponseRun(s.engine, req, route, s.settings.prefill_step, s.sealer, s.histories, history,
-                      keep if req.store or local is not None else None, compact=compact)
+                      keep if req.store or local is not None else None, compact=compact, stop=stop)
     await run.start()
     return run
