@@ -206,6 +206,22 @@ def test_tool_choice_none_after_a_call_continues_the_live_kv_and_calls_nothing(s
     assert answer["usage"]["input_tokens_details"]["cached_tokens"] >= first["usage"]["input_tokens"]
 
 
+def test_strict_schemas_that_leave_objects_open_are_read_as_closed(server):
+    """OpenAI's strict mode allows no keys beyond an object's properties; open, this model
+    wrote keys until the limit for a tool without arguments (MCP's `properties: {}`)."""
+    ping = {"type": "function", "name": "ping", "description": "Ping the server.",
+            "parameters": {"type": "object", "properties": {}}}
+    r = httpx.post(server.url + "/v1/responses", timeout=600, json={
+        "model": "SmolLM2-135M-Instruct", "input": "Ping the server please.", "tools": [ping], "tool_choice": "required",
+        "temperature": 0, "max_output_tokens": 40}).json()
+    assert r["status"] == "completed" and [(o["name"], o["arguments"]) for o in r["output"]] == [("ping", "{}")]
+    city = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 10}}, "required": ["city"]}
+    r = httpx.post(server.url + "/v1/responses", timeout=600, json={
+        "model": "SmolLM2-135M-Instruct", "input": "Name a city as JSON.", "temperature": 0, "max_output_tokens": 60,
+        "text": {"format": {"type": "json_schema", "name": "c", "schema": city, "strict": True}}}).json()
+    assert r["status"] == "completed" and list(json.loads(message_text(r))) == ["city"]
+
+
 def test_allowed_tools_narrow_the_calls_and_keep_the_prompt(server):
     clock = {"type": "function", "name": "get_time", "description": "Current time in a time zone",
              "parameters": {"type": "object", "properties": {"zone": {"type": "string", "maxLength": 30}},

@@ -82,6 +82,32 @@ _SUBSCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
 _SUBSCHEMA_ONE = ("items", "additionalProperties", "not", "if", "then", "else", "contains", "propertyNames")
 
 
+def closed(schema: Any) -> Any:
+    """The schema as OpenAI's strict mode reads it: an object that does not say otherwise
+    takes no keys beyond its `properties`. (Open, a small model asked for a tool without
+    arguments writes keys until the token limit: `{"type": "object", "properties": {}}`,
+    as MCP tools have it, never closed.)"""
+    if isinstance(schema, list):
+        return [closed(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {}
+    for key, value in schema.items():
+        if key in _SUBSCHEMA_MAPS and isinstance(value, dict):
+            out[key] = {name: closed(sub) for name, sub in value.items()}
+        elif key == "allOf":  # its branches describe one object together: closing each would split it
+            out[key] = value
+        elif key in _SUBSCHEMA_LISTS or key in _SUBSCHEMA_ONE:
+            out[key] = closed(value)
+        else:
+            out[key] = value
+    types = schema.get("type")
+    is_object = types == "object" or isinstance(types, list) and "object" in types or "properties" in schema
+    if is_object and "additionalProperties" not in schema and "patternProperties" not in schema:
+        out["additionalProperties"] = False
+    return out
+
+
 def _deepest_failing(root: dict | bool, schema: Any, pointer: str) -> str:
     """The pointer of the deepest subschema that fails to compile on its own (given the
     root's definitions, so that its references still resolve)."""

@@ -26,7 +26,7 @@ from pydantic import TypeAdapter, ValidationError
 
 from ..cache.calls import CallMemory
 from ..engine.constrain import GrammarError
-from ..engine.grammar import ReplySpec, Tool, check_schema
+from ..engine.grammar import ReplySpec, Tool, check_schema, closed
 from ..engine.output import DEFAULT_CALL, OutputFormat
 from ..engine.tools import native_tools
 from ..engine.turn import Conversation
@@ -130,6 +130,8 @@ def _tool(t: FunctionTool, index: int, enforce: bool, forced: bool = False) -> T
     if t.custom or not enforce:
         return Tool(t.name, None, custom=t.custom, grammar=t.grammar)
     parameters = t.parameters or {"type": "object"}
+    if t.strict is not False:
+        parameters = closed(parameters)
     try:
         check_schema(parameters, f"tools[{index}].parameters")
     except GrammarError as exc:
@@ -146,8 +148,11 @@ def response_schema(req: ResponsesRequest, route: str) -> tuple[dict | bool | No
     or /v1's `text.format` (`{"type": "json_schema", "name", "schema", "strict"}`).
     `json_object` means any JSON object."""
     fmt, where = (req.response_format.model_dump() if req.response_format else None), "response_format"
-    if fmt is None and route == "v1" and isinstance(req.text, dict) and isinstance(req.text.get("format"), dict):
+    if fmt is None and route == "v1" and isinstance(req.text, dict) and req.text.get("format") is not None:
         fmt, where = req.text["format"], "text.format"
+        if not isinstance(fmt, dict):
+            raise Problem("invalid_request", 'text.format must be an object such as {"type": "text"}',
+                          param="text.format")
     if fmt is None or fmt.get("type", "text") == "text":
         return None, where
     if fmt["type"] == "json_object":
@@ -159,7 +164,8 @@ def response_schema(req: ResponsesRequest, route: str) -> tuple[dict | bool | No
         path = f"{where}.json_schema.schema" if where == "response_format" else f"{where}.schema"
         raise Problem("invalid_request", f"{path} is required for a json_schema format", param=path)
     inner = "json_schema.schema" if holder is not fmt else "schema"
-    return holder["schema"], f"{where}.{inner}"
+    schema = closed(holder["schema"]) if holder.get("strict") is True else holder["schema"]
+    return schema, f"{where}.{inner}"
 
 
 def prepare(req: ResponsesRequest, route: str, tokenizer, calls: CallMemory,
