@@ -78,6 +78,7 @@ ROUTES = [
     ("GET", "/v1/responses/resp_x/input_items", None, "responses:read"),
     ("DELETE", "/v1/responses/resp_x", None, "responses:write"),
     ("POST", "/v1/responses/resp_x/cancel", None, "responses:write"),
+    ("POST", "/v1/responses/input_tokens", {"input": "hi"}, "responses:write"),
     ("GET", "/lmsp/v1/tasks/task_x", None, "responses:read"),
     ("GET", "/lmsp/v1/tasks/task_x/events", None, "responses:read"),
     ("GET", "/metrics", None, "admin"),

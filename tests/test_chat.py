@@ -124,6 +124,11 @@ def test_tool_calls_and_the_turn_after_them_continue_the_live_kv(start_server, c
     answered = sdk.chat.completions.create(model="tiny", messages=foreign, tools=CHAT_TOOLS, temperature=0, max_tokens=8)
     assert answered.choices[0].finish_reason == "tool_calls"  # the script calls again, whatever it is told
     assert "route=chat" in server.log()
+    allowed = {"type": "allowed_tools", "allowed_tools": {"mode": "auto", "tools": [
+        {"type": "function", "function": {"name": "get_time"}}]}}  # Chat's own shape of it
+    narrowed = sdk.chat.completions.create(model="tiny", messages=messages[:1], tools=CHAT_TOOLS, temperature=0,
+                                           max_tokens=40, tool_choice=allowed)
+    assert [c.function.name for c in narrowed.choices[0].message.tool_calls] == ["get_time"]
     single = sdk.chat.completions.create(model="tiny", messages=messages[:1], tools=CHAT_TOOLS, temperature=0,
                                          max_tokens=40, parallel_tool_calls=False)
     assert [c.function.name for c in single.choices[0].message.tool_calls] == ["get_weather"]
@@ -154,6 +159,11 @@ def test_tool_calls_and_the_turn_after_them_continue_the_live_kv(start_server, c
     ({"functions": [{"name": "f", "parameters": {}}]}, 400, "invalid_request", "functions"),
     ({"stop": ["x"] * 17}, 400, "invalid_request", "stop"),
     ({"stop": "x" * 257}, 400, "invalid_request", "stop"),
+    ({"presence_penalty": 5}, 400, "invalid_request", "presence_penalty"),
+    ({"messages": [{"role": "user"}]}, 400, "invalid_request", "messages[0].content"),
+    ({"tools": CHAT_TOOLS, "tool_choice": {"type": "allowed_tools", "allowed_tools": {
+        "mode": "required", "tools": [{"type": "function", "function": {"name": "get_news"}}]}}},
+     400, "invalid_request", "tool_choice.tools"),
 ])
 def test_bad_chat_requests_are_openai_errors(tiny_server, fields, status, code, param):
     body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, **fields}

@@ -144,7 +144,7 @@ def test_prompt_over_the_context(start_server, tiny_model_dir):
     cut = httpx.post(server.url + "/v1/responses", json=body, timeout=60).json()
     assert cut["truncation"] == "auto" and cut["usage"]["input_tokens"] + 8 <= 64, cut
     assert cut["usage"]["output_tokens"] == 8
-    assert "its outputs) 2 times" in server.log()  # the oldest user message, then the assistant's
+    assert "dropped the 2 oldest items (of 4)" in server.log()  # the oldest user message, then the assistant's
     refused = httpx.post(server.url + "/v1/responses", json={**body, "truncation": "disabled"}, timeout=60)
     assert refused.status_code == 400 and refused.json()["error"]["code"] == "context_length_exceeded"
     alone = httpx.post(server.url + "/v1/responses", json={**body, "input": "word " * 100}, timeout=60)
@@ -197,8 +197,15 @@ def test_v1_errors_are_openai_shaped(client):
     assert err["type"] == "invalid_request_error"  # OpenAI's type for its 404s too
     r = client.post("/v1/responses", json=ask(previous_response_id="resp_gone"))
     assert r.status_code == 404 and r.json()["error"]["code"] == "previous_response_not_found"
-    r = client.post("/v1/responses", json=ask(conversation="conv_123"))  # not silently ignored
-    assert r.status_code == 400 and r.json()["error"]["param"] == "conversation"
+    for field, value in (("conversation", "conv_123"), ("prompt", {"id": "pmpt_1"}), ("top_logprobs", 3)):
+        r = client.post("/v1/responses", json=ask(**{field: value}))  # refused, not silently ignored
+        assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
+    r = client.post("/v1/responses", json=ask(include=["message.output_text.logprobs"]))
+    assert r.status_code == 400 and r.json()["error"]["param"] == "include"
+    for bad in ({"metadata": {f"k{i}": "v" for i in range(17)}}, {"metadata": {"k": "v" * 513}},
+                {"reasoning": {"effort": "bogus"}}, {"text": {"format": "json"}}):
+        r = client.post("/v1/responses", json={**ask(), **bad})
+        assert r.status_code == 400 and r.json()["error"]["param"].split(".")[0] == next(iter(bad)), r.text
     r = client.post("/v1/responses", content=b"{", headers={"content-type": "application/json"})
     assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
 

@@ -178,3 +178,18 @@ def test_a_background_response_is_polled_and_cancelled(tiny_server):
     assert cancelled.status == "cancelled" and sdk.responses.retrieve(endless.id).status == "cancelled"
     with pytest.raises(openai.BadRequestError):  # nothing to poll without the store
         sdk.responses.create(**short, background=True, store=False)
+
+
+def test_input_tokens_are_counted_without_generating(tiny_server):
+    import openai
+
+    sdk = openai.OpenAI(base_url=tiny_server.url + "/v1", api_key="unused", max_retries=0)
+    body = {"model": "tiny", "input": "Count these tokens", "instructions": "Be brief.", "temperature": 0,
+            "max_output_tokens": 2}
+    counted = sdk.responses.input_tokens.count(model="tiny", input=body["input"], instructions=body["instructions"])
+    assert counted.input_tokens == sdk.responses.create(**body).usage.input_tokens
+    before = tiny_server.log().count("request route=")
+    assert sdk.responses.input_tokens.count(input="x").input_tokens > 0  # model is optional
+    assert tiny_server.log().count("request route=") == before  # nothing was generated
+    with pytest.raises(openai.BadRequestError):  # a stored response is not streamed again
+        list(sdk.responses.retrieve(sdk.responses.create(**body).id, stream=True))

@@ -17,7 +17,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from .ids import new_id
 from .problems import Problem
-from .requests import ResponsesRequest, Temperature, TopP, json_object, parse_request, validation_problem
+from .requests import (Penalty, ResponsesRequest, Temperature, TopP, json_object, parse_request,
+                       validation_problem)
 from .responses import ResponseObject
 
 
@@ -96,6 +97,9 @@ class ChatRequest(_Chat):
     response_format: dict[str, Any] | None = None
     logprobs: bool | None = None
     parallel_tool_calls: bool | None = None
+    # Accepted and without effect here, but held to OpenAI's range so a typo is not silent.
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
     # The API's first form of tools, replaced by `tools` / `tool_choice`; refused, not ignored.
     functions: list[Any] | None = None
     function_call: Any = None
@@ -137,6 +141,8 @@ def to_responses(req: ChatRequest) -> tuple[ResponsesRequest, list[int]]:
     for i, m in enumerate(req.messages):
         if isinstance(m.content, list) and any(isinstance(p, OtherPart) and p.type != "refusal" for p in m.content):
             raise Problem("unsupported_capability", "LMSP 1.0 defines text content only", param=f"messages[{i}].content")
+        if m.content is None and m.role != "assistant":
+            raise Problem("invalid_request", f"a {m.role} message needs content", param=f"messages[{i}].content")
         if m.role == "tool":
             if m.tool_call_id is None:
                 raise Problem("invalid_request", "a tool message needs tool_call_id", param=f"messages[{i}].tool_call_id")
@@ -169,6 +175,12 @@ def to_responses(req: ChatRequest) -> tuple[ResponsesRequest, list[int]]:
 def _tool_choice(choice: Any) -> Any:
     if not isinstance(choice, dict):
         return choice
+    if choice.get("type") == "allowed_tools" and isinstance(choice.get("allowed_tools"), dict):
+        # Chat's shape: {"allowed_tools": {"mode", "tools": [{"type": "function", "function": {"name"}}]}}
+        inner = choice["allowed_tools"]
+        tools = [{"type": "function", "name": (t.get("function") or {}).get("name") if isinstance(t, dict) else None}
+                 for t in inner.get("tools") or []]
+        return {"type": "allowed_tools", "mode": inner.get("mode"), "tools": tools}
     name = (choice.get("function") or {}).get("name") if isinstance(choice.get("function"), dict) else None
     if choice.get("type") != "function" or not isinstance(name, str):
         raise Problem("invalid_request", 'tool_choice must be "auto", "none", "required" or '

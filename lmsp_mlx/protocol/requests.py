@@ -238,11 +238,17 @@ def _json_number(value: Any) -> Any:
 
 Temperature = Annotated[float, BeforeValidator(_json_number), Field(ge=0, le=2)]
 TopP = Annotated[float, BeforeValidator(_json_number), Field(ge=0, le=1)]  # 0: only the likeliest token
+Penalty = Annotated[float, BeforeValidator(_json_number), Field(ge=-2, le=2)]  # Chat's; no effect here
 
 
 class ReasoningSettings(_Strict):
-    effort: str | None = None
-    summary: str | None = None
+    effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
+    summary: Literal["auto", "concise", "detailed"] | None = None
+
+
+# OpenAI's limits: 16 pairs, keys up to 64 characters, values up to 512.
+Metadata = Annotated[dict[Annotated[str, Field(max_length=64)], Annotated[str, Field(max_length=512)]],
+                     Field(max_length=16)]
 
 
 class ResponsesRequest(_Strict):
@@ -264,7 +270,7 @@ class ResponsesRequest(_Strict):
     include: list[str] | None = None  # "reasoning.encrypted_content": sealed reasoning state
     # Settings /v1 clients send and read back from the response object. They do not change
     # generation here (one model, one sampler), but a client that set them sees them kept.
-    metadata: dict[str, str] | None = None
+    metadata: Metadata | None = None
     truncation: Literal["auto", "disabled"] | None = None  # auto: drop the oldest items to fit the context
     parallel_tool_calls: bool | None = None
     reasoning: ReasoningSettings | None = None
@@ -273,6 +279,8 @@ class ResponsesRequest(_Strict):
     prompt_cache_key: str | None = None
     safety_identifier: str | None = None
     conversation: Any = None  # OpenAI's Conversations API, not served: refused (run.check_capabilities)
+    prompt: Any = None  # OpenAI's stored prompts: refused too
+    top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None  # above 0: refused (no logprobs here)
     background: bool | None = None  # /v1: run as a task the client polls (server/openai.py)
 
     def items(self) -> list[InputItem]:

@@ -158,7 +158,7 @@ def v1_response(resp: ResponseObject, request: Any, completed_at: int | None) ->
         "id": resp.id,
         "object": "response",
         "created_at": resp.created_at,
-        "completed_at": completed_at,
+        "completed_at": completed_at if resp.status == "completed" else None,  # OpenAI's: only once completed
         "status": resp.status,
         "model": resp.model,
         "output": output,

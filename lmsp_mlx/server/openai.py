@@ -12,14 +12,14 @@ import json
 from quart import Blueprint, request, websocket
 
 from ..protocol.problems import Problem
-from ..protocol.requests import parse_request
+from ..protocol.requests import json_object, parse_request
 from ..store.responses import Stored
 from ..protocol.responses import (CustomToolCallOutput, MessageOutput, ReasoningOutput, ResponseObject, v1_input_item,
                                   v1_item, v1_response)
 from .auth import owner, requires
 from .items import ItemEvent
 from .lmsp import stream_lmsp
-from .run import ResponseRun, compact, start_run, stored_response
+from .run import ResponseRun, compact, new_run, start_run, stored_response
 from .sse import OpenResponsesEvents, V1Event, sse_response
 from .state import read_json, state
 
@@ -65,6 +65,18 @@ async def create_response():
     return sse_response(stream_v1(run))
 
 
+@bp.post("/responses/input_tokens")
+@requires("responses:write")
+async def count_input_tokens():
+    """Count a request's prompt tokens (instructions, tools, history included) without generating."""
+    body = json_object(await read_json())
+    body.setdefault("model", state().engine.model.id)  # optional here, as on OpenAI
+    body.setdefault("input", [])
+    run = await new_run("v1", parse_request(body))
+    prompt = (await run.prompt())[2]
+    return {"object": "response.input_tokens", "input_tokens": len(prompt.tokens)}
+
+
 @bp.post("/responses/<response_id>/cancel")
 @requires("responses:write")
 async def cancel_response(response_id: str):
@@ -96,6 +108,9 @@ async def compact_response():
 @bp.get("/responses/<response_id>")
 @requires("responses:read")
 async def get_response(response_id: str):
+    if request.args.get("stream", "false").lower() in ("true", "1"):
+        raise Problem("unsupported_capability", "a stored response is not streamed again here: GET it without "
+                      "stream, or follow a task's events at /lmsp/v1/tasks/{id}/events", param="stream")
     stored = await stored_response(response_id)
     req = parse_request(stored.request)
     return v1_response(ResponseObject.model_validate(stored.response), req, stored.completed_at)

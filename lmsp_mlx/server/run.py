@@ -49,6 +49,12 @@ def check_capabilities(req: ResponsesRequest, capabilities: tuple[str, ...]) -> 
             f"response_format {fmt_type!r} needs the 'structured_output' capability this model lacks",
             param=where,
         )
+    if req.top_logprobs or "message.output_text.logprobs" in (req.include or []):
+        raise Problem("unsupported_capability", "logprobs are not returned by this server",
+                      param="top_logprobs" if req.top_logprobs else "include")
+    if req.prompt is not None:
+        raise Problem("unsupported_capability", "stored prompts (prompt) are not served here: send the instructions "
+                      "and input themselves", param="prompt")
     if req.conversation is not None:
         raise Problem("unsupported_capability", "OpenAI's Conversations API is not served here: chain responses "
                       "with previous_response_id (store: true), or send the whole conversation", param="conversation")
@@ -102,6 +108,13 @@ class ResponseRun:
 
     async def start(self) -> None:
         """Render and measure the prompt (off the event loop), then queue the job."""
+        conv, spec, prompt, visible = await self.prompt()
+        await self._submit(conv, spec, prompt, visible)
+
+    async def prompt(self):
+        """The conversation, its reply constraint, its prompt and visible text, after any
+        compaction and truncation (what `start` queues; POST /v1/responses/input_tokens
+        counts it)."""
         lm = self.engine.model
         items = self.history + self.req.items()
         open_reasoning(items, self.sealer, offset=len(self.history))  # the same item objects `prepare` sees
@@ -124,11 +137,16 @@ class ResponseRun:
                 else:
                     low = mid + 1
             if high >= 1:
-                log.info("truncation=auto: %d prompt tokens leave no room for %d output tokens; "
-                         "dropped the oldest item (a call with its outputs) %d times", len(prompt.tokens), room_asked,
-                         high)
+                log.info("truncation=auto: %d prompt tokens leave no room for %d output tokens; dropped the %d "
+                         "oldest items (of %d)", len(prompt.tokens), room_asked, len(items) - len(shorter[high]),
+                         len(items))
                 items = shorter[high]
                 conv, spec, prompt, visible = await self._render(items, head)
+        return conv, spec, prompt, visible
+
+    async def _submit(self, conv, spec, prompt, visible) -> None:
+        lm = self.engine.model
+        ctx = lm.context_length
         constraint = await asyncio.to_thread(self._constraint, spec, prompt.text) if spec else None
         n = len(prompt.tokens)
         if n >= ctx:
@@ -328,6 +346,14 @@ async def start_run(route: str, req: ResponsesRequest, local: dict[str, Stored] 
     route. `local`: a WebSocket connection's own responses, which chain with
     previous_response_id even when not stored; each finished run is added to it.
     `compact`: the run summarises the conversation for a compaction (ResponseRun)."""
+    run = await new_run(route, req, local, compact, stop)
+    await run.start()
+    return run
+
+
+async def new_run(route: str, req: ResponsesRequest, local: dict[str, Stored] | None = None,
+                  compact: bool = False, stop: tuple[str, ...] = ()) -> ResponseRun:
+    """The run of a request, its stored history loaded, not yet queued (start_run)."""
     from .state import state
 
     s, who = state(), owner()
@@ -348,5 +374,4 @@ async def start_run(route: str, req: ResponsesRequest, local: dict[str, Stored] 
 
     run = ResponseRun(s.engine, req, route, s.settings.prefill_step, s.sealer, s.histories, history,
                       keep if req.store or local is not None else None, compact=compact, stop=stop)
-    await run.start()
     return run
