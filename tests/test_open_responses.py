@@ -193,3 +193,24 @@ def test_input_tokens_are_counted_without_generating(tiny_server):
     assert tiny_server.log().count("request route=") == before  # nothing was generated
     with pytest.raises(openai.BadRequestError):  # a stored response is not streamed again
         list(sdk.responses.retrieve(sdk.responses.create(**body).id, stream=True))
+
+
+def test_a_streamed_response_is_readable_while_it_runs_and_kept_when_its_client_leaves(tiny_server):
+    import time
+
+    body = {"model": "tiny", "input": "Count these tokens", "temperature": 0, "max_output_tokens": 20000, "stream": True}
+    with httpx.stream("POST", tiny_server.url + "/v1/responses", json=body, timeout=60) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: ") and '"response.created"' in line:
+                response_id = json.loads(line[6:])["response"]["id"]
+            if '"response.output_text.delta"' in line:  # still reading: it runs
+                running = httpx.get(f"{tiny_server.url}/v1/responses/{response_id}").json()
+                assert running["status"] == "in_progress" and running["id"] == response_id
+                break  # httpx closes the connection here
+    # The client left mid-stream: generation stops, and the response is still stored (store
+    # is OpenAI's default), cancelled, with the text it had.
+    deadline = time.monotonic() + 60
+    while (kept := httpx.get(f"{tiny_server.url}/v1/responses/{response_id}").json())["status"] == "in_progress":
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    assert kept["status"] == "cancelled" and kept["output"][0]["content"][0]["text"]

@@ -2,8 +2,24 @@
 
 from __future__ import annotations
 
+import httpx
+import pytest
 from conftest import ask, read_sse
 from tiny_model import FINISHES
+
+
+@pytest.fixture(scope="module")
+def fresh_server(start_server, tiny_model_dir):
+    # Its own KV: the tiny random model's greedy reply to FINISHES ends early from a
+    # cold prefill, but can run on after a session other tests left is reused (a prefix
+    # continued from a cache sums in another order, and this model's logits are near ties).
+    return start_server("--model", str(tiny_model_dir), "--model-id", "tiny")
+
+
+@pytest.fixture
+def client(fresh_server):
+    with httpx.Client(base_url=fresh_server.url, timeout=120) as c:
+        yield c
 
 
 def stream(client, body, path="/lmsp/v1/responses"):

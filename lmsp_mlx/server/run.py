@@ -105,6 +105,9 @@ class ResponseRun:
         self.compact = compact
         self.compacted: str | None = None
         self.stop = stop  # Chat's stop sequences (server/chat.py trims the text at them)
+        self._items: asyncio.Queue[ItemEvent | None] = asyncio.Queue()  # _fold_all -> events()
+        self._crash: Exception | None = None
+        self._pump: asyncio.Task | None = None
 
     async def start(self) -> None:
         """Render and measure the prompt (off the event loop), then queue the job."""
@@ -171,6 +174,7 @@ class ResponseRun:
         )
         self.job = self.engine.submit(params, self.route, text=prompt.text, conv=conv, visible=visible,
                                       keep_history=self.compacted)
+        self._pump = asyncio.get_running_loop().create_task(self._fold_all(), name=self.id)
 
     async def _render(self, items: list[InputItem], head: str):
         """The conversation of `items`, its reply constraint, its prompt and visible text."""
@@ -205,34 +209,49 @@ class ResponseRun:
             raise Problem("invalid_request", f"the reply's constraint cannot be compiled: {exc}", param=where) from None
 
     async def events(self) -> AsyncIterator[ItemEvent]:
-        """Item-level events as the worker produces them; the final state is set at the end."""
-        async for event in self.job.stream():
-            if isinstance(event, Finished):
-                cut = "incomplete" if event.reason == "length" else "completed"
-                for e in self.folder.close(ensure_message=event.reason != "cancelled", status=cut):
-                    yield e
-                u = event.usage
-                self.usage = ResponseUsage(
-                    input_tokens=u.input_tokens, output_tokens=u.output_tokens, total_tokens=u.total_tokens,
-                    input_tokens_details=InputTokensDetails(cached_tokens=u.cached_tokens),
-                    output_tokens_details=OutputTokensDetails(reasoning_tokens=u.reasoning_tokens),
-                )
-                if event.reason == "length":
-                    self.status = "incomplete"
-                    self.incomplete_reason = "context_length" if self.limited_by_context else "max_output_tokens"
-                elif event.reason == "cancelled":
-                    self.status = "cancelled"
-                else:
-                    self.status = "completed"
-            elif isinstance(event, Failed):
-                self.status = "failed"
-                self.error = Problem(event.code, event.message).document()
+        """Item-level events as the worker produces them; the final state is set at the end.
+        A reader may leave early (a client that disconnected): the run still ends, and is
+        kept, on its own (`_fold_all`)."""
+        while (e := await self._items.get()) is not None:
+            yield e
+        if self._crash is not None:
+            raise self._crash
+
+    async def _fold_all(self) -> None:
+        """Fold every worker event into the response, whether or not anyone reads them."""
+        try:
+            async for event in self.job.stream():
+                for e in self._fold(event):
+                    self._items.put_nowait(e)
+            self.completed_at = int(time.time())
+            if self.keep is not None:
+                await asyncio.to_thread(self.keep, self)
+        except Exception as exc:  # a bug: the reader's to report (a task fails, a request 500s)
+            self._crash = exc
+        finally:
+            self._items.put_nowait(None)
+
+    def _fold(self, event) -> list[ItemEvent]:
+        if isinstance(event, Finished):
+            cut = "incomplete" if event.reason == "length" else "completed"
+            out = self.folder.close(ensure_message=event.reason != "cancelled", status=cut)
+            u = event.usage
+            self.usage = ResponseUsage(
+                input_tokens=u.input_tokens, output_tokens=u.output_tokens, total_tokens=u.total_tokens,
+                input_tokens_details=InputTokensDetails(cached_tokens=u.cached_tokens),
+                output_tokens_details=OutputTokensDetails(reasoning_tokens=u.reasoning_tokens),
+            )
+            if event.reason == "length":
+                self.status = "incomplete"
+                self.incomplete_reason = "context_length" if self.limited_by_context else "max_output_tokens"
             else:
-                for e in self.folder.feed(event):
-                    yield e
-        self.completed_at = int(time.time())
-        if self.keep is not None:
-            await asyncio.to_thread(self.keep, self)
+                self.status = "cancelled" if event.reason == "cancelled" else "completed"
+            return out
+        if isinstance(event, Failed):
+            self.status = "failed"
+            self.error = Problem(event.code, event.message).document()
+            return []
+        return self.folder.feed(event)
 
     def stored_request(self) -> dict[str, Any]:
         """The request as the store keeps it: its own input items, not the history before them."""
@@ -328,11 +347,12 @@ async def stored_response(response_id: str) -> Stored:
     from .state import state
 
     s, who = state(), owner()
-    # A stored task's response is kept when it ends: the live task answers first, so a GET
-    # as it ends finds one or the other.
-    found = next((Stored(t.run.stored_request(), t.run.response().model_dump(mode="json"), t.run.completed_at)
-                  for t in list(s.tasks.live.values()) if t.run.id == response_id and t.owner == who and t.run.req.store),
-                 None)
+    # A response is kept when it ends: the running one answers first, so a GET as it ends
+    # finds one or the other.
+    found = None
+    if (running := s.running.get(response_id)) is not None and running[0] == who:
+        run = running[1]
+        found = Stored(run.stored_request(), run.response().model_dump(mode="json"), run.completed_at)
     if found is None:
         found = await asyncio.to_thread(s.responses.get, who, response_id)
     if found is None:
@@ -346,8 +366,12 @@ async def start_run(route: str, req: ResponsesRequest, local: dict[str, Stored] 
     route. `local`: a WebSocket connection's own responses, which chain with
     previous_response_id even when not stored; each finished run is added to it.
     `compact`: the run summarises the conversation for a compaction (ResponseRun)."""
+    from .state import state
+
     run = await new_run(route, req, local, compact, stop)
     await run.start()
+    if req.store:
+        state().running[run.id] = (owner(), run)  # until keep() stores it
     return run
 
 
@@ -370,7 +394,10 @@ async def new_run(route: str, req: ResponsesRequest, local: dict[str, Stored] | 
         if local is not None:
             local[run.id] = done
         if req.store:
-            s.responses.put(who, done.request, done.response, done.completed_at)
+            try:
+                s.responses.put(who, done.request, done.response, done.completed_at)
+            finally:
+                s.running.pop(run.id, None)
 
     run = ResponseRun(s.engine, req, route, s.settings.prefill_step, s.sealer, s.histories, history,
                       keep if req.store or local is not None else None, compact=compact, stop=stop)

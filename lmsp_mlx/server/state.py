@@ -35,6 +35,9 @@ class ServerState:
     tasks: Tasks
     sealer: Sealer  # state handed to clients opaque: reasoning, compaction
     histories: Histories = field(default_factory=Histories)  # conversations compacted by this process
+    # Responses to be stored that are still running, by id: (owner, run). GET finds them here
+    # until they are kept (server/run.py).
+    running: dict[str, tuple[str, Any]] = field(default_factory=dict)
 
 
 def state() -> ServerState:
