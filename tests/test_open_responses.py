@@ -174,6 +174,9 @@ def test_a_background_response_is_polled_and_cancelled(tiny_server):
     with pytest.raises(openai.BadRequestError):  # only background ones can be cancelled
         sdk.responses.cancel(sdk.responses.create(**short).id)
     endless = sdk.responses.create(**{**short, "max_output_tokens": 20000}, background=True)
+    waiting = sdk.responses.create(**{**short, "max_output_tokens": 20000}, background=True)
+    assert sdk.responses.retrieve(waiting.id).status == "queued"  # behind the endless one
+    assert sdk.responses.cancel(waiting.id).status == "cancelled"
     cancelled = sdk.responses.cancel(endless.id)
     assert cancelled.status == "cancelled" and sdk.responses.retrieve(endless.id).status == "cancelled"
     with pytest.raises(openai.BadRequestError):  # nothing to poll without the store

@@ -113,7 +113,11 @@ async def get_response(response_id: str):
                       "stream, or follow a task's events at /lmsp/v1/tasks/{id}/events", param="stream")
     stored = await stored_response(response_id)
     req = parse_request(stored.request)
-    return v1_response(ResponseObject.model_validate(stored.response), req, stored.completed_at)
+    out = v1_response(ResponseObject.model_validate(stored.response), req, stored.completed_at)
+    running = state().running.get(response_id)
+    if out["status"] == "in_progress" and running is not None and running[1].waiting:
+        out["status"] = "queued"  # OpenAI's status for a background response not started yet
+    return out
 
 
 @bp.delete("/responses/<response_id>")

@@ -253,6 +253,11 @@ class ResponseRun:
             return []
         return self.folder.feed(event)
 
+    @property
+    def waiting(self) -> bool:
+        """Queued behind other requests: the worker has not taken it yet."""
+        return self.job is not None and not self.job.started and self.status == "in_progress"
+
     def stored_request(self) -> dict[str, Any]:
         """The request as the store keeps it: its own input items, not the history before them."""
         return {**self.req.model_dump(mode="json", exclude_none=True),

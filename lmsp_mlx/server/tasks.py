@@ -71,7 +71,7 @@ class LiveTask:
     def status(self) -> str:
         if self.done or self.run.status != "in_progress":
             return self.run.status
-        return "in_progress" if self.run.job is not None and self.run.job.started else "queued"
+        return "queued" if self.run.waiting else "in_progress"
 
     async def drive(self, stream: AsyncIterator[SseEvent]) -> None:
         """Run to the end, recording every event; never raises (a bug fails the task)."""
