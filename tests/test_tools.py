@@ -122,11 +122,15 @@ def test_exact_replay_renders_the_sampled_call_text(caller, caller_dir):
     items = parse_request({"model": "tiny", "input": [QUESTION, *calls]}).items()
     # Without the server's memory the calls are re-serialised; with it, byte-identical.
     memory = CallMemory()
-    memory.remember(CallTurn(tuple(c["call_id"] for c in calls), "".join(CALLS), ()))
+    memory.remember(CallTurn(tuple(c["call_id"] for c in calls), "".join(CALLS), (QUESTION, *calls)))
     sampled = to_chat_messages(items, memory=memory)[-1]["content"]
     assert sampled == "".join(CALLS)
     rebuilt = to_chat_messages(items)[-1]["content"]
     assert json.loads(rebuilt.split("\n")[1]) == {"name": "get_weather", "arguments": {"city": "Paris"}}
+    # A client that edited the turn gets what it sent rendered, not the remembered text.
+    edited = [{**calls[0], "arguments": json.dumps({"city": "Berlin"})}, calls[1]]
+    items = parse_request({"model": "tiny", "input": [QUESTION, *edited]}).items()
+    assert "Berlin" in to_chat_messages(items, memory=memory)[-1]["content"]
 
 
 def test_streamed_calls_follow_section_6_5(caller):

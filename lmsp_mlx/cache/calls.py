@@ -23,6 +23,20 @@ class CallTurn:
     head: str = ""  # the compacted conversation's text the items continue (server/compaction.py)
 
 
+    def replays(self, calls: list, text: str) -> bool:
+        """Whether a client's replay of this turn is the turn as it was: the same calls
+        (ids, names, arguments) and the same text. An edited turn is rendered as sent."""
+        output: list[dict] = []
+        for item in reversed(self.items):  # the turn's own items close the conversation
+            if item.get("type") not in ("function_call", "reasoning") and item.get("role") != "assistant":
+                break
+            output.insert(0, item)
+        mine = [(i["call_id"], i["name"], i.get("namespace"), i["arguments"])
+                for i in output if i.get("type") == "function_call"]
+        said = "".join(i["content"] for i in output if i.get("role") == "assistant" and isinstance(i.get("content"), str))
+        return mine == [(c.call_id, c.name, c.namespace, c.arguments) for c in calls] and said.strip() == text.strip()
+
+
 class CallMemory:
     def __init__(self, capacity: int = 4096) -> None:
         self._turns: OrderedDict[str, CallTurn] = OrderedDict()
