@@ -210,7 +210,8 @@ def test_tool_types_and_choices(caller):
     r = post(caller, {"input": [QUESTION], "tools": [{"type": "web_search"}]})
     assert r.status_code == 400 and r.json()["code"] == "unsupported_capability" and "web_search" in r.json()["detail"]
     # /v1 accepts the hosted types Codex lists and flattens namespace groups.
-    codex_tools = [{"type": "web_search"}, {"type": "namespace", "name": "fs", "tools": [TOOLS[0]]}, TOOLS[1]]
+    codex_tools = [{"type": "web_search"}, {"type": "web_search_2025_08_26"},  # dated versions too
+                   {"type": "namespace", "name": "fs", "tools": [TOOLS[0]]}, TOOLS[1]]
     r = post(caller, {"input": [QUESTION], "tools": codex_tools}, route="/v1/responses")
     assert r.status_code == 200, r.text
     r = post(caller, {"input": [QUESTION], "tools": TOOLS, "tool_choice": {"type": "function", "name": "nope"}})

@@ -56,6 +56,9 @@ def test_a_bad_message_gets_an_error_event_and_the_connection_stays_open(sdk, ti
         ws.send(json.dumps({"type": "response.create", **ask(model="nope")}))
         error = json.loads(ws.recv())
         assert error["type"] == "error" and error["code"] == "model_not_found"
+        ws.send(json.dumps({"type": "response.create", **ask(background=True)}))  # HTTP only, as on OpenAI
+        error = json.loads(ws.recv())
+        assert error["type"] == "error" and error["param"] == "background"
         ws.send(json.dumps({"type": "response.create", **ask(max_output_tokens=2)}))
         while (event := json.loads(ws.recv()))["type"] not in ("response.completed", "response.incomplete"):
             pass

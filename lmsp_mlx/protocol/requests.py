@@ -9,6 +9,7 @@ types are rejected, because silently dropping part of a conversation changes its
 from __future__ import annotations
 
 import json
+import re
 from typing import Annotated, Any, Literal, Union
 
 from pydantic import BeforeValidator, BaseModel, ConfigDict, Field, PrivateAttr, ValidationError
@@ -173,6 +174,11 @@ HOSTED_TOOL_TYPES = frozenset({
 })
 
 
+def _hosted(kind: str) -> bool:
+    """A hosted tool type, dated versions included (`web_search_2025_08_26`)."""
+    return kind in HOSTED_TOOL_TYPES or re.sub(r"_\d{4}_\d{2}_\d{2}$", "", kind) in HOSTED_TOOL_TYPES
+
+
 def function_tools(tools: list[dict[str, Any]] | None, *, compat: bool) -> list[FunctionTool]:
     """The function tools a request offers, namespace groups flattened to `group.name`.
 
@@ -189,7 +195,7 @@ def function_tools(tools: list[dict[str, Any]] | None, *, compat: bool) -> list[
                 if isinstance(sub, dict) and sub.get("type", "function") == "function":
                     fn = _tool({**sub, "type": "function"}, f"{where}.tools[{j}]")
                     out.append(fn.model_copy(update={"name": f"{tool.get('name')}.{fn.name}"}))
-        elif compat and kind in HOSTED_TOOL_TYPES:
+        elif compat and isinstance(kind, str) and _hosted(kind):
             continue
         else:
             supported = "'function' and 'custom' tools are" if compat else "only 'function' tools are"

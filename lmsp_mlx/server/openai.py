@@ -169,6 +169,9 @@ async def responses_socket():
             body = json.loads(raw)
             if not isinstance(body, dict) or body.get("type") != "response.create":
                 raise Problem("invalid_request", 'expected a {"type": "response.create", ...} message', param="type")
+            if body.get("background"):
+                raise Problem("invalid_request", "background is not supported over the WebSocket: use POST "
+                              "/v1/responses", param="background")
             fields = {k: v for k, v in body.items() if k not in ("type", "stream", "background")}
             req = parse_request(fields)
             if fields.get("store") is None:
