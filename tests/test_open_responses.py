@@ -217,3 +217,17 @@ def test_a_streamed_response_is_readable_while_it_runs_and_kept_when_its_client_
         assert time.monotonic() < deadline
         time.sleep(0.05)
     assert kept["status"] == "cancelled" and kept["output"][0]["content"][0]["text"]
+
+
+def test_generate_false_prewarms_the_kv_and_answers_nothing(tiny_server):
+    body = {"model": "tiny", "input": "A prewarmed prompt, long enough to notice", "instructions": "Be brief.",
+            "temperature": 0, "max_output_tokens": 8}
+    warm = httpx.post(tiny_server.url + "/v1/responses", json={**body, "generate": False}, timeout=60).json()
+    assert warm["status"] == "completed" and warm["output"] == [] and warm["usage"]["output_tokens"] == 0
+    # The turn that follows (Codex chains it with previous_response_id and no new input) finds
+    # the prompt already in the KV, and no invented answer in its history.
+    turn = httpx.post(tiny_server.url + "/v1/responses", timeout=60, json={
+        **body, "input": [], "previous_response_id": warm["id"]}).json()
+    assert turn["usage"]["input_tokens"] == warm["usage"]["input_tokens"]
+    assert turn["usage"]["input_tokens_details"]["cached_tokens"] >= warm["usage"]["input_tokens"] - 1
+    assert turn["usage"]["output_tokens"] == 8

@@ -149,6 +149,11 @@ def generate(
 
     start = perf_counter()
     cache = make_prompt_cache(lm.model) if cache is None else cache
+    if params.max_tokens == 0:  # a prewarm (generate: false): the whole prompt into the KV, nothing sampled
+        prefill(lm, params.prompt[params.cached:], cache, params.prefill_step, check)
+        n = len(params.prompt)
+        return Finished(reason="stop", usage=Usage(input_tokens=n, output_tokens=0, cached_tokens=params.cached),
+                        prefill_tps=(n - params.cached) / max(perf_counter() - start, 1e-9))
     # The last prefill chunk (up to 64 tokens) goes through the whole model, in the pass
     # that also gives the first token's logits: an agent's short suffix takes one pass. With
     # the CPU's compiled decode step a longer prompt leaves only its last token for that

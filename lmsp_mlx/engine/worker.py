@@ -260,7 +260,7 @@ class Engine:
             turn.finish(cut=done.reason == "length")
             done = replace(done, usage=replace(done.usage, reasoning_tokens=turn.reasoning_tokens(done.usage.output_tokens)))
         job.emit(done)
-        if done.reason != "cancelled" and job.conv is not None:
+        if done.reason != "cancelled" and job.conv is not None and params.max_tokens > 0:  # a prewarm has no turn
             calls = None if turn.dropped else turn.remember(self.calls)  # its sampled text is not the reply's
             ended = lm.tokenizer.decode(sampled[-1:]) if done.reason == "stop" else ""
             try:

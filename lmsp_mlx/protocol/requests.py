@@ -284,6 +284,9 @@ class ResponsesRequest(_Strict):
     user: str | None = None
     prompt_cache_key: str | None = None
     safety_identifier: str | None = None
+    # false: a prewarm (Codex sends it first on its WebSocket): the prompt goes into the KV,
+    # nothing is generated, the response has no output.
+    generate: bool | None = None
     conversation: Any = None  # OpenAI's Conversations API, not served: refused (run.check_capabilities)
     prompt: Any = None  # OpenAI's stored prompts: refused too
     top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None  # above 0: refused (no logprobs here)

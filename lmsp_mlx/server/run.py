@@ -163,7 +163,7 @@ class ResponseRun:
         self.limited_by_context = self.req.max_output_tokens is None or self.req.max_output_tokens > room
         params = GenerationParams(
             prompt=prompt.tokens,
-            max_tokens=min(self.req.max_output_tokens or room, room),
+            max_tokens=0 if self.req.generate is False else min(self.req.max_output_tokens or room, room),
             # top_p 0 keeps only the likeliest token: greedy, whatever the temperature.
             temperature=0.0 if self.req.top_p == 0 else 1.0 if self.req.temperature is None else self.req.temperature,
             top_p=1.0 if self.req.top_p is None else self.req.top_p,
@@ -234,7 +234,8 @@ class ResponseRun:
     def _fold(self, event) -> list[ItemEvent]:
         if isinstance(event, Finished):
             cut = "incomplete" if event.reason == "length" else "completed"
-            out = self.folder.close(ensure_message=event.reason != "cancelled", status=cut)
+            out = self.folder.close(ensure_message=event.reason != "cancelled" and self.req.generate is not False,
+                                    status=cut)
             u = event.usage
             self.usage = ResponseUsage(
                 input_tokens=u.input_tokens, output_tokens=u.output_tokens, total_tokens=u.total_tokens,
