@@ -117,6 +117,7 @@ class TurnOutput:
         self._skipped = False
         self.stop = stop
         self.stopped = False
+        self._tail = ""  # the reply's last characters, enough to hold any stop sequence
         self._reasoning_end: int | None = None  # tokens sampled when the think block closed
 
     def feed(self, piece: str) -> None:
@@ -144,8 +145,8 @@ class TurnOutput:
             elif isinstance(e, TextDelta):
                 self.text.append(e.text)
                 if self.stop and not self.stopped:
-                    tail = "".join(self.text)[-(max(map(len, self.stop)) + len(e.text)):]
-                    self.stopped = any(s in tail for s in self.stop)
+                    self._tail = (self._tail + e.text)[-(max(map(len, self.stop)) + len(e.text)):]
+                    self.stopped = any(s in self._tail for s in self.stop)
             self._emit(e)
 
     @property

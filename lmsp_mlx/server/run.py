@@ -107,7 +107,7 @@ class ResponseRun:
         self.stop = stop  # Chat's stop sequences (server/chat.py trims the text at them)
         self._items: asyncio.Queue[ItemEvent | None] = asyncio.Queue()  # _fold_all -> events()
         self._crash: Exception | None = None
-        self._pump: asyncio.Task | None = None
+        self._pump: asyncio.Task | None = None  # held: the loop keeps only weak references to tasks
 
     async def start(self) -> None:
         """Render and measure the prompt (off the event loop), then queue the job."""
