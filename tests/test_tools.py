@@ -197,6 +197,30 @@ def test_unknown_call_ids_and_missing_reasoning_are_refused(caller):
     assert post(caller, {"input": [QUESTION, reasoning, call, result], "tools": TOOLS}).status_code == 200
 
 
+def test_another_tokens_call_ids_are_unknown_to_it(start_server, caller_dir, tmp_path):
+    # A call id must not open another token's conversation: sending only the outputs would
+    # continue its KV (hidden reasoning and all) and leak what it holds into the reply.
+    everything = ["responses:write", "responses:read", "models:read"]
+    tokens = tmp_path / "tokens.json"
+    tokens.write_text(json.dumps({"alice": everything, "mallory": everything}))
+    server = start_server("--model", str(caller_dir), "--model-id", "tiny", "--tokens", str(tokens))
+
+    def as_(who: str, body: dict) -> httpx.Response:
+        return httpx.post(server.url + "/lmsp/v1/responses", headers={"Authorization": f"Bearer {who}"}, timeout=120,
+                          json={"model": "tiny", "temperature": 0, "max_output_tokens": 40, "tools": TOOLS, **body})
+
+    first = as_("alice", {"input": [QUESTION]}).json()
+    calls = [i for i in first["output"] if i["type"] == "function_call"]
+    r = as_("mallory", {"input": outputs_for(calls)})
+    assert r.status_code == 400 and r.json()["code"] == "unknown_call_id", r.text
+    # Replaying alice's call without its reasoning does not borrow her state either.
+    r = as_("mallory", {"input": [QUESTION, *calls, *outputs_for(calls)]})
+    assert r.status_code == 400 and r.json()["code"] == "reasoning_state_missing", r.text
+    own = as_("alice", {"input": outputs_for(calls)})
+    assert own.status_code == 200 and cached(own.json()) > 0
+    assert sources(server)[-1] == "tool-output ids=2"
+
+
 def test_tool_output_only_after_the_live_state_was_replaced_is_409(start_server, caller_dir):
     server = start_server("--model", str(caller_dir), "--model-id", "tiny", "--kv-memory-mb", "0.001", "--no-kv-disk")
     first = post(server, {"input": [QUESTION], "tools": TOOLS}).json()

@@ -21,6 +21,7 @@ class CallTurn:
     visible: str  # the turn's sampled text after any reasoning, call markup included
     items: tuple  # the conversation's input items through this turn's output, as JSON dicts
     head: str = ""  # the compacted conversation's text the items continue (server/compaction.py)
+    owner: str = ""  # the token whose request made the turn: only it may continue the turn by call id
 
 
     def replays(self, calls: list, text: str) -> bool:
@@ -51,6 +52,9 @@ class CallMemory:
             while len(self._turns) > self.capacity:
                 self._turns.popitem(last=False)
 
-    def get(self, call_id: str) -> CallTurn | None:
+    def get(self, call_id: str, owner: str | None) -> CallTurn | None:
+        """The turn that made `call_id`, if `owner` made it. None as owner: any turn, only
+        for what the caller already holds (an exact replay renders text the client sent)."""
         with self._lock:
-            return self._turns.get(call_id)
+            turn = self._turns.get(call_id)
+        return turn if turn is not None and owner in (None, turn.owner) else None

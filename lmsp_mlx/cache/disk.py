@@ -174,7 +174,9 @@ class CheckpointStore:
             if self.calls is not None and meta.get("calls"):
                 turn = json.loads(meta["calls"])
                 self.calls.remember(CallTurn(tuple(turn["call_ids"]), turn["visible"], tuple(turn["items"]),
-                                             turn.get("head", "")))
+                                             turn.get("head", ""),
+                                             # before owners were kept: the one owner of a server without tokens
+                                             turn.get("owner", "local")))
         except (OSError, CheckpointError, KeyError, ValueError, TypeError) as exc:
             self._reject(path, str(exc) or type(exc).__name__)
             return None
@@ -255,7 +257,7 @@ class CheckpointStore:
         if session.calls is not None:
             c = session.calls
             meta["calls"] = json.dumps({"call_ids": list(c.call_ids), "visible": c.visible, "items": list(c.items),
-                                        **({"head": c.head} if c.head else {})})
+                                        **({"head": c.head} if c.head else {}), "owner": c.owner})
         final = self.dir / f"{kind}-{meta['key_sha256'][:40]}{SUFFIX}"
         self._writes.put((final, tensors, meta))
         session.saved_tokens = n

@@ -118,7 +118,7 @@ def _assistant_turn(group: list[InputItem], native_tools: bool, memory: CallMemo
     text = "".join(it.text() for it in group if isinstance(it, MessageItem))
     reasoning = "\n".join(t for it in group if isinstance(it, ReasoningItem) and (t := it.text()))
     calls = [it for it in group if isinstance(it, FunctionCallItem)]
-    sampled = next((t for c in calls if memory is not None and (t := memory.get(c.call_id)) and t.replays(calls, text)),
+    sampled = next((t for c in calls if memory is not None and (t := memory.get(c.call_id, None)) and t.replays(calls, text)),
                    None)
     message: dict = {"role": "assistant", "content": text}
     if sampled is not None:

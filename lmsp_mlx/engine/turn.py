@@ -45,6 +45,7 @@ class Conversation:
     live_calls: tuple[str, ...] = ()  # a tool-output-only request: the live calls it continues
     head: str = ""
     callable: tuple[str, ...] | None = None  # the tools the reply may call, by name; None: all of `tools`
+    owner: str = ""  # the token that sent it (server/auth.py): who may continue its calls by call id
 
     def messages(self, memory: CallMemory | None, more: list[InputItem] = (), hidden: list[str] | None = None) -> list[dict]:
         return to_chat_messages(
@@ -182,7 +183,8 @@ class TurnOutput:
         if not self.calls:
             return None
         items = tuple(i.model_dump(exclude_none=True) for i in self.conv.items + self.output_items())
-        turn = CallTurn(tuple(c.call_id for c in self.calls), "".join(self.parser.visible), items, self.conv.head)
+        turn = CallTurn(tuple(c.call_id for c in self.calls), "".join(self.parser.visible), items, self.conv.head,
+                        self.conv.owner)
         memory.remember(turn)
         return turn
 

@@ -44,6 +44,7 @@ from ..protocol.requests import (
     validation_problem,
 )
 
+from .auth import LOCAL_OWNER
 from .sealing import Sealer, SealError
 
 _ITEMS = TypeAdapter(list[InputItem])
@@ -168,18 +169,20 @@ def response_schema(req: ResponsesRequest, route: str) -> tuple[dict | bool | No
     return schema, f"{where}.{inner}"
 
 
-def prepare(req: ResponsesRequest, route: str, tokenizer, calls: CallMemory,
-            reasoning: bool, head: str = "", offset: int = 0) -> tuple[Conversation, ReplySpec | None]:
+def prepare(req: ResponsesRequest, route: str, tokenizer, calls: CallMemory, reasoning: bool, head: str = "",
+            offset: int = 0, owner: str = LOCAL_OWNER) -> tuple[Conversation, ReplySpec | None]:
     """The conversation to render, and the constraint on its reply (or None). `head`: the
     compacted conversation's text the items continue (server/compaction.py). `offset`: the
-    items of the stored conversation (previous_response_id) before the request's own."""
+    items of the stored conversation (previous_response_id) before the request's own.
+    `owner`: the token that sent it; another token's calls are unknown to it (a call id
+    must not open another token's conversation and hidden state)."""
     offered = function_tools(req.tools, compat=route in ("v1", "chat"))
     choice, tools = tool_choice(req, offered)
     items = req.items()
     live: tuple[str, ...] = ()
     own_calls = {i.call_id for i in items if isinstance(i, FunctionCallItem)}
     if items and isinstance(items[0], FunctionCallOutputItem) and items[0].call_id not in own_calls:
-        turn = calls.get(items[0].call_id)
+        turn = calls.get(items[0].call_id, owner)
         if turn is None:
             raise Problem("unknown_call_id", f"no live call {items[0].call_id!r} and the request does not contain it; "
                           "replay the full conversation", param="input[0].call_id")
@@ -197,7 +200,7 @@ def prepare(req: ResponsesRequest, route: str, tokenizer, calls: CallMemory,
     # template renders such a turn as its other servers would), so only Responses clients
     # are held to sending them back.
     if reasoning and not live and route != "chat":
-        _check_reasoning(req.items(), calls, offset)
+        _check_reasoning(req.items(), calls, offset, owner)
     # Under `none` the tools stay in the prompt where a grammar can keep the reply free of
     # calls (the `<tool_call>` syntax): the prompt, and so the KV, is the one `auto` has.
     keep = choice != "none" or OutputFormat.of(tokenizer).call == DEFAULT_CALL
@@ -205,7 +208,7 @@ def prepare(req: ResponsesRequest, route: str, tokenizer, calls: CallMemory,
     # other stays text, where no grammar stopped the model from writing it).
     callable_ = () if choice == "none" else None if len(tools) == len(offered) else tuple(t.name for t in tools)
     conv = Conversation(items, req.instructions, offered if keep else [], native_tools(tokenizer), live, head,
-                        callable=callable_)
+                        callable=callable_, owner=owner)
     return conv, reply_spec(req, route, choice, tools, offered)
 
 
@@ -237,7 +240,7 @@ def _input_path(index: int, offset: int) -> str:
     return f"input[{index - offset}]" if index >= offset else "previous_response_id"
 
 
-def _check_reasoning(items: list[InputItem], calls: CallMemory, offset: int) -> None:
+def _check_reasoning(items: list[InputItem], calls: CallMemory, offset: int, owner: str) -> None:
     """A replayed tool-call turn of a reasoning model needs its reasoning item, unless the
     server still has that turn's state (live or checkpointed: its calls are remembered)."""
     since_user = []
@@ -246,7 +249,7 @@ def _check_reasoning(items: list[InputItem], calls: CallMemory, offset: int) -> 
             since_user = []
             continue
         since_user.append(item)
-        if isinstance(item, FunctionCallItem) and calls.get(item.call_id) is None \
+        if isinstance(item, FunctionCallItem) and calls.get(item.call_id, owner) is None \
                 and not any(isinstance(i, ReasoningItem) for i in since_user):
             where = _input_path(index, offset)
             raise Problem("reasoning_state_missing", f"{where} replays a tool call of a reasoning model "

@@ -27,7 +27,7 @@ from ..protocol.requests import (FunctionCallItem, FunctionCallOutputItem, Input
 from ..store.responses import Stored
 from ..protocol.responses import (IncompleteDetails, InputTokensDetails, MessageOutput, OutputTokensDetails,
                                   ResponseObject, ResponseUsage)
-from .auth import owner
+from .auth import LOCAL_OWNER, owner
 from . import compaction
 from .conversation import open_reasoning, prepare
 from .items import ItemEvent, ItemFolder
@@ -77,7 +77,7 @@ class ResponseRun:
     def __init__(self, engine: Engine, req: ResponsesRequest, route: str, prefill_step: int, sealer: Sealer,
                  histories: compaction.Histories, history: list[InputItem] | None = None,
                  keep: Callable[["ResponseRun"], None] | None = None, compact: bool = False,
-                 stop: tuple[str, ...] = ()) -> None:
+                 stop: tuple[str, ...] = (), owner: str = LOCAL_OWNER) -> None:
         lm = engine.model
         assert lm is not None
         if req.model != lm.id:
@@ -105,6 +105,7 @@ class ResponseRun:
         self.compact = compact
         self.compacted: str | None = None
         self.stop = stop  # Chat's stop sequences (server/chat.py trims the text at them)
+        self.owner = owner  # the token that sent it (server/auth.py)
         self._items: asyncio.Queue[ItemEvent | None] = asyncio.Queue()  # _fold_all -> events()
         self._crash: Exception | None = None
         self._pump: asyncio.Task | None = None  # held: the loop keeps only weak references to tasks
@@ -184,7 +185,7 @@ class ResponseRun:
         # or truncation dropped some of the request's own from the front).
         offset = len(items) - len(self.req.items())
         conv, spec = prepare(full, self.route, lm.tokenizer, self.engine.calls, "reasoning" in lm.capabilities,
-                             head, offset)
+                             head, offset, self.owner)
         if self.compact:
             self.compacted = await asyncio.to_thread(conv.history, lm.tokenizer, self.engine.calls)
             if not self.compacted:
@@ -406,5 +407,5 @@ async def new_run(route: str, req: ResponsesRequest, local: dict[str, Stored] | 
                 s.running.pop(run.id, None)
 
     run = ResponseRun(s.engine, req, route, s.settings.prefill_step, s.sealer, s.histories, history,
-                      keep if req.store or local is not None else None, compact=compact, stop=stop)
+                      keep if req.store or local is not None else None, compact=compact, stop=stop, owner=who)
     return run
