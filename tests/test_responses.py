@@ -151,8 +151,18 @@ def test_the_openapi_document_lists_every_route(client, tiny_server):
     create = doc["paths"]["/lmsp/v1/responses"]["post"]
     assert create["security"] == [{"bearer": ["responses:write"]}]
     assert create["requestBody"]["content"]["application/json"]["schema"]["$ref"] == "#/components/schemas/ResponsesRequest"
+    # Each route's answers as it gives them: a task is created with 202, its events are a
+    # stream resumed with `after` or Last-Event-ID, a stored response is JSON only.
+    paths = doc["paths"]
+    assert set(paths["/lmsp/v1/tasks"]["post"]["responses"]) == {"202", "default"}
+    assert "Location" in paths["/lmsp/v1/tasks"]["post"]["responses"]["202"]["headers"]
+    events = paths["/lmsp/v1/tasks/{task_id}/events"]["get"]
+    assert {(p["name"], p["in"]) for p in events["parameters"]} >= {("after", "query"), ("Last-Event-ID", "header")}
+    assert set(events["responses"]["200"]["content"]) == {"text/event-stream"}
+    assert set(paths["/lmsp/v1/responses/{response_id}"]["get"]["responses"]["200"]["content"]) == {"application/json"}
+    assert "text/event-stream" in create["responses"]["200"]["content"]
     schemas = doc["components"]["schemas"]
-    assert {"ResponsesRequest", "ResponseObject", "Problem", "TaskCreate", "ChatRequest"} <= set(schemas)
+    assert {"ResponsesRequest", "ResponseObject", "Problem", "TaskCreate", "Task", "ChatRequest"} <= set(schemas)
     # Every reference resolves inside the document.
     import json
     import re

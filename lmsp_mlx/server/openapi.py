@@ -45,6 +45,15 @@ def _schemas() -> dict[str, Any]:
             "usage": {"$ref": _REF.format(model="ResponseUsage")},
         },
     }
+    schemas["Task"] = {
+        "type": "object", "required": ["id", "object", "status", "response_id", "created_at"],
+        "properties": {
+            "id": {"type": "string"}, "object": {"const": "task"},
+            "status": {"enum": ["queued", "in_progress", "completed", "incomplete", "failed", "cancelled"]},
+            "response_id": {"type": "string"}, "created_at": {"type": "integer"},
+            "response": {"$ref": _REF.format(model="ResponseObject"), "description": "once the task ended"},
+        },
+    }
     schemas["TaskCreate"] = {"type": "object", "required": ["request"],
                              "properties": {"request": {"$ref": _REF.format(model="ResponsesRequest")}}}
     return schemas
@@ -67,15 +76,48 @@ def _operation(app: Quart, endpoint: str, method: str, path: str) -> dict[str, A
             "/lmsp/v1/tasks": "TaskCreate", "/v1/chat/completions": "ChatRequest"}.get(path) if method == "post" else None
     if body:
         op["requestBody"] = {"required": True, "content": {"application/json": {"schema": {"$ref": _REF.format(model=body)}}}}
+    op["responses"].update(_answers(method, path))
+    if path.endswith("/tasks/{task_id}/events"):
+        op["parameters"] += [
+            {"name": "after", "in": "query", "required": False, "schema": {"type": "integer", "minimum": 0},
+             "description": "replay the events after this id (wins over Last-Event-ID)"},
+            {"name": "Last-Event-ID", "in": "header", "required": False, "schema": {"type": "integer", "minimum": 0},
+             "description": "the last event id the client saw (SSE reconnect)"}]
+    return op
+
+
+def _json(description: str, model: str | None = None) -> dict[str, Any]:
+    schema = {"$ref": _REF.format(model=model)} if model else {"type": "object"}
+    return {"description": description, "content": {"application/json": {"schema": schema}}}
+
+
+_SSE = {"text/event-stream": {"schema": {"type": "string"}}}
+
+
+def _answers(method: str, path: str) -> dict[str, Any]:
+    """The route's answers besides problem documents."""
     if path.endswith("/responses/compact"):
-        op["responses"]["200"] = {"description": "the compacted conversation", "content": {
-            "application/json": {"schema": {"$ref": _REF.format(model="Compaction")}}}}
-    elif path.startswith("/lmsp/v1/responses"):
-        op["responses"]["200"] = {"description": "a response object, or with stream: true its events", "content": {
-            "application/json": {"schema": {"$ref": _REF.format(model="ResponseObject")}},
-            "text/event-stream": {"schema": {"type": "string"}}}}
-    else:
-        op["responses"]["200"] = {"description": "OK"}
+        return {"200": _json("the compacted conversation", "Compaction")}
+    if method == "post" and path in ("/lmsp/v1/responses", "/v1/responses"):
+        ok = _json("the response object; with stream: true its events instead", "ResponseObject")
+        ok["content"].update(_SSE)
+        return {"200": ok}
+    if method == "post" and path == "/v1/chat/completions":
+        ok = _json("a chat.completion; with stream: true chat.completion.chunk events instead")
+        ok["content"].update(_SSE)
+        return {"200": ok}
+    if method == "post" and path == "/lmsp/v1/tasks":
+        accepted = _json("the task, queued; Location names it", "Task")
+        accepted["headers"] = {"Location": {"schema": {"type": "string"}, "description": "the task's URL"}}
+        return {"202": accepted}
+    if path.endswith("/tasks/{task_id}/events"):
+        return {"200": {"description": "the task's events after `after` / Last-Event-ID, then live ones until a "
+                                       "final event", "content": _SSE}}
+    if path.startswith("/lmsp/v1/tasks/"):
+        return {"200": _json("the task", "Task")}
+    if method == "get" and path.endswith("/responses/{response_id}"):
+        return {"200": _json("the stored response", "ResponseObject")}
+    return {"200": {"description": "OK"}}
     return op
 
 
