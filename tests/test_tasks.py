@@ -124,6 +124,18 @@ def test_a_stored_tasks_response_is_in_progress_until_it_ends(tasks_server):
     httpx.post(f"{tasks_server.url}/lmsp/v1/tasks/{unstored['id']}/cancel", timeout=30)
 
 
+def test_a_chain_from_a_running_stored_response_waits_for_it(tasks_server):
+    # A client that chains right after creating a task: the id is known (GET says
+    # in_progress), so the continuation waits for the response to be stored, not 404.
+    task = create(tasks_server, ask(max_output_tokens=40, store=True)).json()
+    r = httpx.post(tasks_server.url + "/lmsp/v1/responses", timeout=120,
+                   json=ask("And then?", max_output_tokens=2, previous_response_id=task["response_id"]))
+    assert r.status_code == 200, r.text
+    first = wait_ended(tasks_server, task["id"])["response"]
+    assert first["usage"]["output_tokens"] == 40
+    assert r.json()["usage"]["input_tokens"] > first["usage"]["input_tokens"] + 40  # its whole history
+
+
 def test_unknown_tasks_are_404(tasks_server):
     for method, path in (("GET", ""), ("GET", "/events"), ("POST", "/cancel")):
         r = httpx.request(method, f"{tasks_server.url}/lmsp/v1/tasks/task_nothing{path}")

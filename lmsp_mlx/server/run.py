@@ -255,6 +255,11 @@ class ResponseRun:
             return []
         return self.folder.feed(event)
 
+    async def ended(self) -> None:
+        """Wait until the run has ended and is stored (when it is to be)."""
+        if self._pump is not None:
+            await asyncio.shield(self._pump)
+
     @property
     def waiting(self) -> bool:
         """Queued behind other requests: the worker has not taken it yet."""
@@ -390,6 +395,9 @@ async def new_run(route: str, req: ResponsesRequest, local: dict[str, Stored] | 
     s, who = state(), owner()
     history = None
     if req.previous_response_id is not None:
+        running = s.running.get(req.previous_response_id)
+        if running is not None and running[0] == who:  # stored once it ends: the chain continues from there
+            await running[1].ended()
         items = await asyncio.to_thread(s.responses.conversation, who, req.previous_response_id, local)
         if items is None:
             raise Problem("response_not_found", f"no stored response {req.previous_response_id!r}",
