@@ -37,9 +37,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--tokens", type=Path, help='tokens file: JSON {"<token>": ["responses:write", ...], ...}')
     p.add_argument("--ctx", type=int, help="context size in tokens (default: the model's trained context)")
     p.add_argument("--max-queue", type=int, default=16, help="requests that may wait for the model before 429 (default 16)")
-    p.add_argument("--prefill-chunk", type=int, help="prefill chunk in tokens; cancellation is checked between chunks")
+    p.add_argument("--prefill-chunk", type=int,
+                   help="prefill chunk in tokens; cancellation is checked between chunks (default 256 on CPU, 2048 on GPU)")
     p.add_argument("--max-body-mb", type=float, default=16.0, help="largest request body in MiB (default 16)")
-    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.add_argument("--sse-keepalive", type=float, default=15.0,
+                   help="seconds without an event before a stream sends a comment line that keeps it open (default 15)")
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
+                   help="default info: one line per request")
     st = p.add_argument_group("stored responses and tasks")
     st.add_argument("--store", type=Path, help="the SQLite store file (default: lmsp-mlx/store.sqlite3 under the user's data dir)")
     st.add_argument("--store-retention", type=_duration, default=30 * 86400.0,
@@ -64,7 +68,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     kv.add_argument("--kv-group-size", type=int, choices=(32, 64, 128), default=64,
                     help="quantization group of --kv-bits (default 64)")
     args = p.parse_args(argv)
-    for name in ("ctx", "max_queue", "prefill_chunk", "max_body_mb", "kv_memory_mb", "kv_disk_space_mb",
+    for name in ("ctx", "max_queue", "prefill_chunk", "max_body_mb", "sse_keepalive", "kv_memory_mb", "kv_disk_space_mb",
                  "kv_checkpoint_min_tokens", "kv_checkpoint_every"):
         value = getattr(args, name)
         if value is not None and value <= 0:
@@ -176,7 +180,8 @@ def main(argv: list[str] | None = None) -> int:
 
     prefill = args.prefill_chunk or (256 if lm.backend == "cpu" else 2048)
     settings = ServerSettings(prefill_step=prefill, max_body_bytes=int(args.max_body_mb * 1024 * 1024),
-                              store_retention=args.store_retention, event_retention=args.event_retention)
+                              store_retention=args.store_retention, event_retention=args.event_retention,
+                              sse_keepalive=args.sse_keepalive)
     log.info("store: %s", db.path)
     app = create_app(engine, settings, tokens, db, state_key)
     try:

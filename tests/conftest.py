@@ -136,6 +136,8 @@ def read_sse(lines) -> list[dict]:
                 events.append(current)
                 current = {}
             continue
+        if line.startswith(":"):  # a comment (the server's keep-alive): SSE clients ignore it
+            continue
         field, _, value = line.partition(": ")
         if field == "data" and value != "[DONE]":
             value = json.loads(value)

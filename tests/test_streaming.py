@@ -101,3 +101,33 @@ def test_v1_stream_uses_open_responses_framing(client):
     final = data[-1]["response"]
     assert final["output"][0]["content"][0]["text"] == "".join(d["delta"] for d in deltas)
     assert final["usage"]["output_tokens"] == 6
+
+
+def test_a_stream_waiting_for_the_model_sends_keepalive_comments(start_server, tiny_model_dir):
+    # Queued behind a task, the stream has nothing to send for a while: comment lines keep
+    # idle timeouts of clients and proxies from cutting it, and clients read past them.
+    import threading
+
+    from openai import OpenAI
+
+    server = start_server("--model", str(tiny_model_dir), "--model-id", "tiny", "--sse-keepalive", "0.05")
+
+    def hold_the_model() -> None:
+        task = httpx.post(server.url + "/lmsp/v1/tasks", json={"request": ask(max_output_tokens=100000)}).json()
+        threading.Timer(1.0, httpx.post, (f"{server.url}/lmsp/v1/tasks/{task['id']}/cancel",)).start()
+
+    hold_the_model()
+    with httpx.stream("POST", server.url + "/lmsp/v1/responses", json={**ask(max_output_tokens=4), "stream": True},
+                      timeout=120) as r:
+        lines = list(r.iter_lines())
+    assert lines.count(": keep-alive") >= 5
+    events = read_sse(lines)
+    assert [e["event"] for e in events][-1] == "response.incomplete"
+    assert [int(e["id"]) for e in events] == list(range(1, len(events) + 1))
+
+    hold_the_model()
+    client = OpenAI(base_url=server.url + "/v1", api_key="unused")
+    events = list(client.responses.create(model="tiny", input="Say hello", max_output_tokens=4, temperature=0,
+                                          stream=True))
+    assert events[0].type == "response.created" and events[-1].type == "response.incomplete"
+    assert events[-1].response.usage.output_tokens == 4

@@ -24,6 +24,7 @@ class ServerSettings:
     max_body_bytes: int = 16 * 1024 * 1024
     store_retention: float = 30 * 86400.0  # seconds a stored response or task is kept
     event_retention: float = 3600.0  # seconds a task's events stay replayable after it ended
+    sse_keepalive: float = 15.0  # seconds of silence on an event stream before a comment line keeps it open
 
 
 @dataclass
