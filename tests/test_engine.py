@@ -133,6 +133,8 @@ def test_full_queue_answers_429_with_retry_after(start_server, tiny_model_dir):
     assert 'lmsp_requests_total{status="cancelled"} 1' in metrics
     assert 'lmsp_requests_total{status="completed"} 1' in metrics
     assert "lmsp_queue_depth 0" in metrics
+    assert 'lmsp_http_responses_total{code="429"} 2' in metrics  # refusals are counted too
+    assert "request GET /metrics status=200" in server.log()  # and every request has its line
 
 
 def test_shutdown_ends_streams_with_a_final_event(start_server, tiny_model_dir):

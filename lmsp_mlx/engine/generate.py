@@ -29,10 +29,12 @@ LONG_PREFILL = 1024  # prompts at least this long log their prefill progress
 class Cancelled(Exception):
     """The client went away; raised between prefill chunks or decode steps."""
 
-    def __init__(self, prefilled: int = 0, produced: int = 0) -> None:
+    def __init__(self, prefilled: int = 0, produced: int = 0, prefill_tps: float = 0.0, decode_tps: float = 0.0) -> None:
         super().__init__(f"cancelled after {prefilled} prompt and {produced} output tokens")
         self.prefilled = prefilled
         self.produced = produced
+        self.prefill_tps = prefill_tps  # the rates until then, for the request's log line
+        self.decode_tps = decode_tps
 
 
 @dataclass
@@ -143,7 +145,7 @@ def generate(
 
     def check(done: int, total: int) -> None:
         if cancelled():
-            raise Cancelled(prefilled=params.cached + done)
+            raise Cancelled(prefilled=params.cached + done, prefill_tps=done / max(perf_counter() - start, 1e-9))
         if total >= LONG_PREFILL and 0 < done < total:
             log.info("prefill %d/%d tokens", done, total)
 
@@ -183,7 +185,10 @@ def generate(
         if piece := detokenizer.last_segment:
             emit(TextDelta(piece))
         if cancelled():
-            raise Cancelled(prefilled=len(params.prompt), produced=produced)
+            now = perf_counter()
+            raise Cancelled(prefilled=len(params.prompt), produced=produced,
+                            prefill_tps=(len(params.prompt) - params.cached) / max(first - start, 1e-9),
+                            decode_tps=(produced - 1) / (now - first) if produced > 1 and now > first else 0.0)
         if whole():
             reason = "complete"
             break

@@ -12,8 +12,10 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
+import math
 import queue
 import threading
+import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -103,6 +105,7 @@ class Engine:
         self.model: LoadedModel | None = None
         self.counters = Counters()
         self._current: Job | None = None
+        self._job_seconds = 1.0  # a moving average of the time a job holds the worker (for Retry-After)
         self._thread = threading.Thread(target=self._run, name="lmsp-worker", daemon=True)
 
     def start(self) -> LoadedModel:
@@ -162,10 +165,12 @@ class Engine:
         try:
             self._jobs.put_nowait(job)
         except queue.Full:
+            # When a slot is likely free: the jobs ahead, at the recent time per job.
+            wait = max(1, math.ceil(self._jobs.maxsize * self._job_seconds))
             raise Problem(
                 "queue_full",
-                f"{self._jobs.maxsize} requests are already waiting for the model; retry shortly",
-                headers={"Retry-After": "1"},
+                f"{self._jobs.maxsize} requests are already waiting for the model; retry in about {wait} s",
+                headers={"Retry-After": str(wait)},
             ) from None
         return job
 
@@ -181,12 +186,14 @@ class Engine:
         while (job := self._jobs.get()) is not None:
             self._current = job
             job.started = True
+            began = time.monotonic()
             try:
                 self._run_job(job)
             except Exception as exc:  # a bug must fail one request, never the worker
                 log.exception("job failed")
                 job.emit(Failed(f"internal error: {type(exc).__name__}: {exc}"))
             self._current = None
+            self._job_seconds = 0.8 * self._job_seconds + 0.2 * (time.monotonic() - began)
         self.pool.close()
 
     def _make_pool(self, lm: LoadedModel) -> SessionPool:
@@ -248,7 +255,7 @@ class Engine:
             done = generate(lm, params, emit, lambda: job.cancelled, cache=start.session.cache, sampled=sampled,
                             whole=lambda: params.one_call and bool(turn.calls) or turn.stopped)
         except Cancelled as stop:
-            done = Finished("cancelled", Usage(prompt_len, stop.produced, start.cached))
+            done = Finished("cancelled", Usage(prompt_len, stop.produced, start.cached), stop.prefill_tps, stop.decode_tps)
             extra = f" prefilled={stop.prefilled}/{prompt_len}"
         except Exception as exc:  # the request fails, the worker keeps serving
             log.exception("generation failed")
@@ -280,6 +287,10 @@ class Engine:
             c.requests[status] = c.requests.get(status, 0) + 1
             c.prompt_tokens += usage.input_tokens
             c.output_tokens += usage.output_tokens
+        if job.keep_history is not None:
+            extra += " purpose=compaction"
+        elif job.params.max_tokens == 0:
+            extra += " purpose=prewarm"
         log.info(
             "request route=%s model=%s prompt_tokens=%d cached_tokens=%d output_tokens=%d prefill_tps=%.1f "
             "decode_tps=%.1f status=%s%s",

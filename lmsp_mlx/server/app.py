@@ -7,7 +7,7 @@ import json
 import logging
 import time
 
-from quart import Quart, Response, has_request_context, request, websocket
+from quart import Quart, Response, g, has_request_context, request, websocket
 from werkzeug.exceptions import HTTPException
 
 from .. import LMSP_VERSION
@@ -88,11 +88,15 @@ def create_app(engine: Engine, settings: ServerSettings, tokens: Tokens, db: Dat
             *(f'lmsp_requests_total{{status="{k}"}} {v}' for k, v in sorted(c.requests.items())),
             "# TYPE lmsp_prompt_tokens_total counter", f"lmsp_prompt_tokens_total {c.prompt_tokens}",
             "# TYPE lmsp_output_tokens_total counter", f"lmsp_output_tokens_total {c.output_tokens}",
+            "# TYPE lmsp_http_responses_total counter",
+            *(f'lmsp_http_responses_total{{code="{k}"}} {v}'
+              for k, v in sorted(app.extensions["lmsp_mlx"].http_statuses.items())),
         ]
         return Response("\n".join(lines) + "\n", mimetype="text/plain; version=0.0.4")
 
     @app.before_request
     async def check_auth_and_version():
+        g.arrived = time.perf_counter()
         authorize(tokens, app.view_functions.get(request.endpoint), request.method, request.path, request.headers)
         # Repeated headers (or one with a comma list) must all say 1.0: a proxy that added a
         # second value does not get to pick the one this service reads.
@@ -114,6 +118,13 @@ def create_app(engine: Engine, settings: ServerSettings, tokens: Tokens, db: Dat
     @app.after_request
     async def version_header(resp: Response) -> Response:
         resp.headers["LMSP-Version"] = LMSP_VERSION
+        statuses = app.extensions["lmsp_mlx"].http_statuses
+        statuses[resp.status_code] = statuses.get(resp.status_code, 0) + 1
+        # One line per request: a generation's is the worker's (tokens, rates, status), an
+        # error's is problem_response's; the rest get theirs here.
+        if resp.status_code < 400 and not g.get("generation"):
+            log.info("request %s %s status=%d ms=%.0f", request.method, request.path, resp.status_code,
+                     (time.perf_counter() - g.get("arrived", time.perf_counter())) * 1000)
         return resp
 
     @app.errorhandler(Problem)
@@ -134,7 +145,8 @@ def create_app(engine: Engine, settings: ServerSettings, tokens: Tokens, db: Dat
 
     @app.errorhandler(Exception)
     async def on_unexpected(exc: Exception):
-        log.exception("unhandled error on %s %s", request.method, request.path)
+        method, path = (request.method, request.path) if has_request_context() else ("WEBSOCKET", websocket.path)
+        log.exception("unhandled error on %s %s", method, path)
         return problem_response(Problem("internal_error", f"{type(exc).__name__}: {exc}"))
 
     return app

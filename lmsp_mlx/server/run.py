@@ -13,6 +13,7 @@ import time
 from typing import Any, AsyncIterator, Callable
 
 from pydantic import TypeAdapter
+from quart import g
 
 from ..engine.events import Failed, Finished
 from ..engine.generate import GenerationParams
@@ -382,6 +383,7 @@ async def start_run(route: str, req: ResponsesRequest, local: dict[str, Stored] 
 
     run = await new_run(route, req, local, compact, stop)
     await run.start()
+    g.generation = True  # the worker logs this request's line
     if req.store:
         state().running[run.id] = (owner(), run)  # until keep() stores it
     return run

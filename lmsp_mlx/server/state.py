@@ -39,6 +39,7 @@ class ServerState:
     # Responses to be stored that are still running, by id: (owner, run). GET finds them here
     # until they are kept (server/run.py).
     running: dict[str, tuple[str, Any]] = field(default_factory=dict)
+    http_statuses: dict[int, int] = field(default_factory=dict)  # HTTP replies by status, for /metrics
 
 
 def state() -> ServerState:
