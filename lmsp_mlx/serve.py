@@ -6,7 +6,9 @@ import argparse
 import asyncio
 import ipaddress
 import logging
+import math
 import os
+import socket
 import signal
 import sys
 from pathlib import Path
@@ -65,7 +67,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     kv.add_argument("--kv-bits", type=int, choices=(4, 8),
                     help="keep the KV cache quantized to this many bits (mlx-lm's QuantizedKVCache; default: "
                          "the model's float dtype)")
-    kv.add_argument("--kv-group-size", type=int, choices=(32, 64, 128), default=64,
+    kv.add_argument("--kv-group-size", type=int, choices=(32, 64, 128),
                     help="quantization group of --kv-bits (default 64)")
     args = p.parse_args(argv)
     for name in ("ctx", "max_queue", "prefill_chunk", "max_body_mb", "sse_keepalive", "kv_memory_mb", "kv_disk_space_mb",
@@ -75,6 +77,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             p.error(f"--{name.replace('_', '-')} must be positive")
     if not 1 <= args.port <= 65535:
         p.error("--port must be between 1 and 65535")
+    if args.kv_group_size is not None and args.kv_bits is None:
+        p.error("--kv-group-size applies to a quantized KV cache: give --kv-bits too")
+    args.kv_group_size = args.kv_group_size or 64
+    for name in ("sse_keepalive", "max_body_mb", "kv_memory_mb", "kv_disk_space_mb"):
+        if not math.isfinite(getattr(args, name)):
+            p.error(f"--{name.replace('_', '-')} must be a finite number")
     return args
 
 
@@ -84,7 +92,9 @@ def _duration(text: str) -> float:
     try:
         value = float(text[:-1] if scale else text) * (scale or 1)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a duration (like 3600, 90m, 12h or 30d)") from None
+        value = math.nan
+    if not math.isfinite(value):  # nan would turn retention off without a word
+        raise argparse.ArgumentTypeError(f"{text!r} is not a duration (like 3600, 90m, 12h or 30d)")
     if value <= 0:
         raise argparse.ArgumentTypeError("a duration must be positive")
     return value
@@ -99,6 +109,23 @@ def _is_loopback(host: str) -> bool:
         return False
 
 
+def _address(host: str, port: int) -> str:
+    return f"[{host.strip('[]')}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def _bindable(host: str, port: int) -> str | None:
+    """Why host:port cannot be bound, checked before the model loads (minutes for a big one)."""
+    try:
+        infos = socket.getaddrinfo(host.strip("[]"), port, type=socket.SOCK_STREAM)
+        family, kind, proto, _, address = infos[0]
+        with socket.socket(family, kind, proto) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as Hypercorn binds
+            s.bind(address)
+    except OSError as exc:
+        return exc.strerror or str(exc)
+    return None
+
+
 def _fail(message: str) -> int:
     print(f"lmsp-mlx: error: {message}", file=sys.stderr)
     return 2
@@ -109,21 +136,37 @@ async def _serve(app, engine: Engine, host: str, port: int) -> None:
     from hypercorn.config import Config
 
     config = Config()
-    config.bind = [f"[{host}]:{port}" if ":" in host else f"{host}:{port}"]
+    config.bind = [_address(host, port)]
     config.accesslog = None
     config.errorlog = logging.getLogger("hypercorn.error")  # one handler: ours
     config.graceful_timeout = 5
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
+
+    def on_signal() -> None:
+        if stop.is_set():  # asked twice: do not wait for the worker's step or its checkpoints
+            log.warning("second signal: exiting now (resident KV sessions are not checkpointed)")
+            logging.shutdown()
+            os._exit(130)
+        stop.set()
+
     for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(sig, on_signal)
 
     async def shutdown() -> None:
         await stop.wait()
         log.info("shutting down: cancelling generations in progress")
-        engine.cancel_all()  # streams then end with their final event within the grace period
+        engine.cancel_all()
+        # A decode step ends within this with the real usage; a long prefill chunk would
+        # hold its stream past the grace period, so streams end as cancelled now and the
+        # worker finishes its step (and checkpoints) while Hypercorn closes.
+        for _ in range(20):
+            if not engine.busy:
+                break
+            await asyncio.sleep(0.05)
+        engine.abandon_all()
 
-    log.info("serving on http://%s:%d (LMSP at /lmsp/v1, OpenAI-style at /v1)", host, port)
+    log.info("serving on http://%s (LMSP at /lmsp/v1, OpenAI-style at /v1)", _address(host, port))
     await serve(app, config, shutdown_trigger=shutdown)
 
 
@@ -154,6 +197,8 @@ def main(argv: list[str] | None = None) -> int:
         return _fail(str(exc))
     if not tokens.required and not _is_loopback(args.host):
         return _fail(f"refusing to bind {args.host} without --api-key or --tokens: only loopback is open")
+    if why := _bindable(args.host, args.port):
+        return _fail(f"cannot bind {_address(args.host, args.port)}: {why}")
     try:
         db = Database(args.store or Path(user_data_dir("lmsp-mlx")) / "store.sqlite3")
         state_key = load_state_key(args.state_key_file or Path(user_data_dir("lmsp-mlx")) / "state.key")
@@ -164,8 +209,9 @@ def main(argv: list[str] | None = None) -> int:
             model_path = ensure_packaged_model(DEFAULT_MODEL, args.models_dir or default_models_dir())
         else:
             model_path = args.model.expanduser()
-            if not model_path.exists() and args.models_dir and (args.models_dir / args.model).exists():
-                model_path = args.models_dir / args.model
+            store = args.models_dir or default_models_dir()
+            if not model_path.exists() and (store / args.model).exists():  # a name in the model store
+                model_path = store / args.model
         engine = Engine(model_path, ctx=args.ctx, max_queue=args.max_queue, model_id=args.model_id, cache=_cache_settings(args))
         lm = engine.start()
     except (ModelStoreError, ModelLoadError) as exc:
@@ -187,7 +233,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         asyncio.run(_serve(app, engine, args.host, args.port))
     except OSError as exc:  # port in use, address not available
-        return _fail(f"cannot bind {args.host}:{args.port}: {exc.strerror or exc}")
+        return _fail(f"cannot bind {_address(args.host, args.port)}: {exc.strerror or exc}")
     finally:
         engine.stop()
         db.close()

@@ -115,6 +115,8 @@ def test_a_token_without_the_routes_scope_is_403(scoped, method, path, body, sco
     ('{"t": ["everything"]}', "unknown scope"),
     ('["t"]', "JSON object"),
     ("{not json", "cannot read"),
+    ("{}", "no tokens"),
+    ('{"": ["admin"]}', "empty"),
 ])
 def test_a_bad_tokens_file_refuses_to_start(tiny_model_dir, tmp_path, content, needle):
     path = tmp_path / "tokens.json"

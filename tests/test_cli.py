@@ -6,13 +6,16 @@ import subprocess
 import sys
 
 import pytest
-from conftest import ROOT
+from conftest import ROOT, free_port
 
 
-def serve(*args: str) -> subprocess.CompletedProcess:
+def serve(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    """A server that stops at a start-up error (a later --port wins over this one)."""
+    import os
+
     return subprocess.run(
-        [sys.executable, "-m", "lmsp_mlx.serve", "--port", "1", *args],
-        cwd=ROOT, capture_output=True, text=True, timeout=300,
+        [sys.executable, "-m", "lmsp_mlx.serve", "--port", str(free_port()), *args],
+        cwd=ROOT, capture_output=True, text=True, timeout=300, env={**os.environ, **(env or {})},
     )
 
 
@@ -64,8 +67,32 @@ def test_corrupt_weights(tmp_path, tiny_model_dir):
 @pytest.mark.parametrize(
     "flags, name",
     [(["--max-queue", "0"], "--max-queue"), (["--max-body-mb", "-1"], "--max-body-mb"),
-     (["--port", "70000"], "--port"), (["--ctx", "0"], "--ctx")],
+     (["--port", "70000"], "--port"), (["--ctx", "0"], "--ctx"),
+     # nan would turn retention off without a word
+     (["--store-retention", "nan"], "--store-retention"), (["--event-retention", "inf"], "--event-retention"),
+     (["--kv-group-size", "32"], "--kv-bits"), (["--sse-keepalive", "nan"], "--sse-keepalive")],
 )
 def test_bad_flag_values(flags, name):
     done = serve(*flags)
     assert done.returncode == 2 and name in done.stderr and "Traceback" not in done.stderr
+
+
+def test_a_port_in_use_is_refused_before_the_model_loads(tiny_model_dir):
+    import socket
+
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        done = serve("--model", str(tiny_model_dir), "--port", str(held.getsockname()[1]))
+    one_line_error(done, "cannot bind", "in use")
+    assert "loading" not in done.stderr and "serving on" not in done.stderr
+
+
+def test_a_model_name_is_found_in_the_model_store(start_server, tmp_path, tiny_model_dir):
+    import shutil
+
+    import httpx
+
+    shutil.copytree(tiny_model_dir, tmp_path / "Mine")
+    server = start_server("--model", "Mine", env={"LMSP_MODELS_DIR": str(tmp_path)})
+    assert [m["id"] for m in httpx.get(server.url + "/v1/models").json()["data"]] == ["Mine"]

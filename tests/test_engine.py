@@ -157,3 +157,29 @@ def test_shutdown_ends_streams_with_a_final_event(start_server, tiny_model_dir):
     assert server.proc.wait(timeout=30) == 0
     log = server.log()
     assert "Traceback" not in log and "Exception in thread" not in log
+
+
+def test_shutdown_during_a_long_prefill_chunk_ends_the_stream_before_the_chunk(start_server):
+    # One 3,000-token chunk takes the CPU seconds: the stream ends as cancelled at once
+    # (within Hypercorn's grace period), the worker finishes its chunk, and the process exits.
+    import signal
+
+    from conftest import DEFAULT_MODEL_ID, read_sse
+
+    server = start_server("--prefill-chunk", "8192")
+    body = {"model": DEFAULT_MODEL_ID, "input": " hello" * 3000, "max_output_tokens": 4, "stream": True}
+    with httpx.Client(base_url=server.url, timeout=120) as c:
+        with c.stream("POST", "/lmsp/v1/responses", json=body) as r:
+            lines = []
+            for line in r.iter_lines():
+                lines.append(line)
+                if line == "event: response.created":
+                    time.sleep(0.5)  # into the chunk
+                    server.proc.send_signal(signal.SIGTERM)
+            ended_before_the_chunk = "status=cancelled" not in server.log()
+    events = read_sse(lines)
+    assert [e.get("event") for e in events] == ["response.created", "response.cancelled"], lines
+    assert ended_before_the_chunk
+    assert server.proc.wait(timeout=300) == 0
+    log = server.log()
+    assert "status=cancelled prefilled=" in log and "Traceback" not in log

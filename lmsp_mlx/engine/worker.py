@@ -44,9 +44,12 @@ class Job:
     conv: Conversation | None = None  # the items behind the prompt: for the turn's visible transcript
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     started: bool = False  # the worker took it from the queue (a task is then `in_progress`)
+    ended: bool = False  # its ending event is out (from the worker, or abandon())
     _cancel: threading.Event = field(default_factory=threading.Event)
 
     def emit(self, event: GenerationEvent) -> None:
+        if isinstance(event, (Finished, Failed)):
+            self.ended = True
         try:
             self.loop.call_soon_threadsafe(self.events.put_nowait, event)
         except RuntimeError:  # the event loop has closed: nobody is listening any more
@@ -54,6 +57,15 @@ class Job:
 
     def cancel(self) -> None:
         self._cancel.set()
+
+    def abandon(self) -> None:
+        """Shutdown, on the event loop: end the stream as cancelled now, without waiting for
+        the worker to reach its next step (a long prefill chunk); what it emits later
+        goes unread."""
+        self.cancel()
+        if not self.ended:
+            self.ended = True
+            self.events.put_nowait(Finished("cancelled", Usage(len(self.params.prompt), 0)))
 
     @property
     def cancelled(self) -> bool:
@@ -126,6 +138,14 @@ class Engine:
         for job in waiting:
             if job is not None:
                 job.cancel()
+
+    def abandon_all(self) -> None:
+        """Shutdown: end every job's stream now (Job.abandon), the worker's included."""
+        with self._jobs.mutex:
+            jobs = [self._current, *self._jobs.queue]
+        for job in jobs:
+            if job is not None:
+                job.abandon()
 
     def stop(self) -> None:
         """Cancel everything and end the worker thread."""

@@ -121,8 +121,8 @@ def create_app(engine: Engine, settings: ServerSettings, tokens: Tokens, db: Dat
         statuses = app.extensions["lmsp_mlx"].http_statuses
         statuses[resp.status_code] = statuses.get(resp.status_code, 0) + 1
         # One line per request: a generation's is the worker's (tokens, rates, status), an
-        # error's is problem_response's; the rest get theirs here.
-        if resp.status_code < 400 and not g.get("generation"):
+        # error's is problem_response's; the rest get theirs here, but for liveness probes.
+        if resp.status_code < 400 and not g.get("generation") and request.path != "/healthz":
             log.info("request %s %s status=%d ms=%.0f", request.method, request.path, resp.status_code,
                      (time.perf_counter() - g.get("arrived", time.perf_counter())) * 1000)
         return resp

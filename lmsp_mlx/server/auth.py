@@ -54,8 +54,12 @@ class Tokens:
                 raise TokensError(f"cannot read the tokens file {path}: {exc}") from None
             if not isinstance(raw, dict):
                 raise TokensError(f"{path}: expected a JSON object mapping each token to a list of scopes")
+            if not raw:
+                raise TokensError(f"{path}: no tokens in it (an empty file would leave every route open)")
             for token, scopes in raw.items():
-                if not token or not isinstance(scopes, list) or not all(isinstance(s, str) for s in scopes):
+                if not token.strip():
+                    raise TokensError(f"{path}: a token is empty: a token must have at least one character")
+                if not isinstance(scopes, list) or not all(isinstance(s, str) for s in scopes):
                     raise TokensError(f"{path}: token {token[:4]!r}...: expected a list of scope names")
                 if asked := RESERVED & set(scopes):
                     raise TokensError(f"{path}: scope {sorted(asked)[0]!r} is refused: this service never runs tools")
