@@ -178,6 +178,57 @@ def test_strict_tool_arguments_validate(server, choice, temperature):
         jsonschema.validate(json.loads(call["arguments"]), WEATHER["parameters"])
 
 
+# What pydantic writes for a nested model and an enum: `$defs` and references into them,
+# and a tree whose nodes refer to the root (`#`).
+TRIP = {"type": "function", "name": "plan_trip", "description": "Plan a trip.", "parameters": {
+    "$defs": {"Unit": {"enum": ["km", "mi"], "type": "string"},
+              "Stop": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
+                                                        "unit": {"$ref": "#/$defs/Unit"}},
+                       "required": ["city", "unit"], "additionalProperties": False}},
+    "type": "object", "properties": {"stops": {"type": "array", "items": {"$ref": "#/$defs/Stop"}, "minItems": 1,
+                                               "maxItems": 2}},
+    "required": ["stops"], "additionalProperties": False}}
+TREE = {"type": "function", "name": "draw_tree", "description": "Draw a tree.", "parameters": {
+    "type": "object", "properties": {"label": {"type": "string", "maxLength": 8},
+                                     "kids": {"type": "array", "items": {"$ref": "#"}, "maxItems": 1}},
+    "required": ["label", "kids"], "additionalProperties": False}}
+
+
+def test_a_call_body_keeps_each_tools_references_pointing_into_its_own_parameters():
+    from lmsp_mlx.engine.grammar import Tool, call_schema
+
+    body = call_schema((Tool(TREE["name"], TREE["parameters"]), Tool(TRIP["name"], TRIP["parameters"])))
+    tree = {"label": "a", "kids": [{"label": "b", "kids": []}]}
+    jsonschema.validate({"name": "draw_tree", "arguments": tree}, body)
+    jsonschema.validate({"name": "plan_trip", "arguments": {"stops": [{"city": "Oslo", "unit": "km"}]}}, body)
+    for wrong in ({"name": "draw_tree", "arguments": {"label": "a", "kids": [{"label": "b"}]}},
+                  {"name": "plan_trip", "arguments": {"stops": [{"city": "Oslo", "unit": "miles"}]}}):
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate(wrong, body)
+
+
+@pytest.mark.parametrize("route", ["/lmsp/v1/responses", "/v1/chat/completions"])
+def test_tool_parameters_with_defs_are_enforced(server, route):
+    tool = TRIP
+    if route == "/v1/chat/completions":
+        body = {"messages": [{"role": "user", "content": "Use the tool."}], "max_tokens": 200,
+                "tools": [{"type": "function", "function": {k: v for k, v in tool.items() if k != "type"}},
+                          {"type": "function", "function": {k: v for k, v in WEATHER.items() if k != "type"}}]}
+    else:
+        body = {"input": "Use the tool.", "max_output_tokens": 200, "tools": [tool, WEATHER]}
+    r = httpx.post(server.url + route, timeout=600, json={
+        "model": "SmolLM2-135M-Instruct", "temperature": 0, **body,
+        "tool_choice": {"type": "function", "name": tool["name"]} if route != "/v1/chat/completions"
+        else {"type": "function", "function": {"name": tool["name"]}}})
+    assert r.status_code == 200, r.text
+    if route == "/v1/chat/completions":
+        [call] = [c["function"] for c in r.json()["choices"][0]["message"]["tool_calls"]]
+    else:
+        [call] = [o for o in r.json()["output"] if o["type"] == "function_call"]
+    assert call["name"] == tool["name"]
+    jsonschema.validate(json.loads(call["arguments"]), tool["parameters"])
+
+
 @pytest.mark.parametrize("limit", [2, 8])
 def test_a_call_cut_by_the_token_limit_leaves_no_markup_behind(server, limit):
     body = {"model": "SmolLM2-135M-Instruct", "input": "What is the weather in Hangzhou? Use the tool.",

@@ -79,7 +79,8 @@ def _compile_error(schema: Any) -> str | None:
 
 _SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
 _SUBSCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
-_SUBSCHEMA_ONE = ("items", "additionalProperties", "not", "if", "then", "else", "contains", "propertyNames")
+_SUBSCHEMA_ONE = ("items", "additionalProperties", "not", "if", "then", "else", "contains", "propertyNames",
+                  "unevaluatedProperties", "unevaluatedItems")
 
 
 def closed(schema: Any) -> Any:
@@ -140,14 +141,46 @@ def _escape(key: str) -> str:
 
 def call_schema(tools: tuple[Tool, ...]) -> dict[str, Any]:
     """A `<tool_call>` body: the name of one of `tools` and arguments valid for it (any
-    object for a tool whose `parameters` are None)."""
-    calls = [{
-        "type": "object",
-        "properties": {"name": {"const": t.name}, "arguments": t.parameters or {"type": "object"}},
-        "required": ["name", "arguments"],
-        "additionalProperties": False,
-    } for t in tools]
-    return calls[0] if len(calls) == 1 else {"anyOf": calls}
+    object for a tool whose `parameters` are None). Parameters that refer into themselves
+    (`#/$defs/...`, as pydantic writes nested models and enums; `#` for recursion) move
+    under the body's `$defs`, their references rebased: nested in the body as they are,
+    they would point at the body."""
+    defs: dict[str, Any] = {}
+    calls = []
+    for i, t in enumerate(tools):
+        arguments = t.parameters or {"type": "object"}
+        if '"$ref"' in json.dumps(arguments):
+            home = f"#/$defs/tool{i}"
+            defs[f"tool{i}"] = _rebased(arguments, home)
+            arguments = {"$ref": home}
+        calls.append({
+            "type": "object",
+            "properties": {"name": {"const": t.name}, "arguments": arguments},
+            "required": ["name", "arguments"],
+            "additionalProperties": False,
+        })
+    body = calls[0] if len(calls) == 1 else {"anyOf": calls}
+    return {**body, "$defs": defs} if defs else body
+
+
+def _rebased(schema: Any, home: str) -> Any:
+    """`schema` with its local references (`#...`) made relative to `home`; only schema
+    positions are walked, so data (const, enum, default) that looks like a reference stays."""
+    if isinstance(schema, list):
+        return [_rebased(s, home) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {}
+    for key, value in schema.items():
+        if key == "$ref" and isinstance(value, str) and value.startswith("#"):
+            out[key] = home + value[1:]
+        elif key in _SUBSCHEMA_MAPS and isinstance(value, dict):
+            out[key] = {name: _rebased(sub, home) for name, sub in value.items()}
+        elif key in _SUBSCHEMA_LISTS or key in _SUBSCHEMA_ONE:
+            out[key] = _rebased(value, home)
+        else:
+            out[key] = value
+    return out
 
 
 @dataclass(frozen=True)
