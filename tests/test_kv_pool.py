@@ -3,6 +3,7 @@ path gives the logits of a cold run, and checkpoints survive only when they are 
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import signal
@@ -175,6 +176,48 @@ def test_a_checkpoint_that_fails_to_load_falls_back_to_cold(lm, tmp_path, caplog
         start = pool.start(prompt.text, prompt.tokens, limit=10**6)
     assert (start.source, start.cached) == ("cold", 0)
     assert not good.exists() and "layer or token count" in caplog.text
+
+
+def _restart_and_replay(lm, folder: Path, reply: str):
+    pool = new_pool(lm, folder)
+    prompt = render(lm.tokenizer, [{"role": "user", "content": STORY}, {"role": "assistant", "content": reply},
+                                   {"role": "user", "content": "y"}])
+    return pool.start(prompt.text, prompt.tokens, limit=10**6)
+
+
+def test_a_checkpoint_whose_tensor_data_was_damaged_is_recomputed_not_loaded(lm, tmp_path, caplog):
+    # A valid header over damaged data loads as garbage KV (every reply after it was
+    # <|endoftext|>): the data's checksum, written with it, refuses it.
+    good, reply = _valid_checkpoint(lm, tmp_path)
+    with open(good, "r+b") as f:
+        f.seek(-4096, os.SEEK_END)
+        f.write(os.urandom(2048))
+    with caplog.at_level(logging.WARNING, logger="lmsp_mlx.cache"):
+        start = _restart_and_replay(lm, tmp_path, reply)
+    assert (start.source, start.cached) == ("cold", 0)
+    assert not good.exists() and "checksum" in caplog.text
+
+
+def test_a_checkpoint_with_a_token_id_outside_the_vocabulary_is_refused(lm, tmp_path, caplog):
+    good, reply = _valid_checkpoint(lm, tmp_path)
+    arrays, meta = mx.load(str(good), return_metadata=True)
+    tokens = json.loads(meta["tokens"])
+    mx.save_safetensors(str(good), arrays, {**meta, "tokens": json.dumps([-3, *tokens[1:]])})
+    with caplog.at_level(logging.WARNING, logger="lmsp_mlx.cache"):
+        start = _restart_and_replay(lm, tmp_path, reply)
+    assert (start.source, start.cached) == ("cold", 0)
+    assert not good.exists() and "outside the vocabulary" in caplog.text
+
+
+def test_a_session_whose_turn_cannot_be_recorded_is_dropped(lm, monkeypatch, caplog):
+    # Half-recorded (tokens grown, texts stale) it would match unrelated requests by text.
+    pool = new_pool(lm)
+    start, _, _ = turn(pool, lm, [{"role": "user", "content": STORY}])
+    assert start.session in pool.sessions
+    monkeypatch.setattr(pool, "_decode", lambda tokens: (_ for _ in ()).throw(OverflowError("bad id")))
+    with caplog.at_level(logging.ERROR, logger="lmsp_mlx.cache"):
+        pool.finish(start, [1, 2], ok=True, binding=None)
+    assert start.session not in pool.sessions and "dropped" in caplog.text
 
 
 def test_disk_budget_keeps_the_hit_and_the_newest(lm, tmp_path):

@@ -8,8 +8,9 @@ Format `lmsp-kv-1` (also described in the README, "Checkpoints on disk"):
   `token`: keyed by the text the tokens decode to), `key_sha256` and `key_chars` (the key's
   hash and length in characters), `key_text` (compaction checkpoints only: the key),
   `tail` (visible kind: text to prefill before the request's suffix), `token_count`, `tokens` (JSON ids), `classes` (JSON: the mlx-lm cache class of
-  each layer), `scalars` (JSON: the state's non-array leaves), and fixed-width decimal
-  `created`, `last_used` (Unix seconds) and `hits`, which are updated in place.
+  each layer), `scalars` (JSON: the state's non-array leaves), `data_sha256` (SHA-256 of
+  the tensor data, checked on load), and fixed-width decimal `created`, `last_used` (Unix
+  seconds) and `hits`, which are updated in place.
 
 The file name is `<kind>-<sha256 of key>.safetensors`, in a folder per model fingerprint.
 Writes go to a hidden temp file that is renamed into place, so a crash mid-write leaves
@@ -91,6 +92,24 @@ def to_host(a: mx.array) -> tuple[str, np.ndarray]:
     return tag, np.array(a.view(mx.uint16) if a.dtype == mx.bfloat16 else a, dtype=np_dtype, copy=True)
 
 
+def data_hash(tensors: dict[str, tuple[str, np.ndarray]]) -> str:
+    """SHA-256 of the tensor bytes in file order: a file whose data was damaged (bad
+    sectors, a partial copy, a stray write) fails it and is recomputed instead of loaded."""
+    h = hashlib.sha256()
+    for _, data in tensors.values():
+        h.update(memoryview(np.ascontiguousarray(data)).cast("B"))
+    return h.hexdigest()
+
+
+def file_data_hash(path: Path, start: int) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        f.seek(start)
+        while chunk := f.read(8 * 2**20):
+            h.update(chunk)
+    return h.hexdigest()
+
+
 def write_safetensors(path: Path, tensors: dict[str, tuple[str, np.ndarray]], metadata: dict[str, str]) -> None:
     header: dict = {"__metadata__": metadata}
     offset = 0
@@ -132,8 +151,10 @@ def read_header(path: Path) -> tuple[dict, dict]:
 
 
 class CheckpointStore:
-    def __init__(self, root: Path, fingerprint: str, budget_bytes: int, calls: CallMemory | None = None) -> None:
+    def __init__(self, root: Path, fingerprint: str, budget_bytes: int, calls: CallMemory | None = None,
+                 vocab_size: int = 2**31) -> None:
         self.fingerprint = fingerprint
+        self.vocab_size = vocab_size  # token ids in a checkpoint must be below it
         self.dir = root / fingerprint[:16]
         self.budget = budget_bytes
         self.entries: dict[Path, Entry] = {}
@@ -147,6 +168,7 @@ class CheckpointStore:
             if not path.name.startswith("."):  # pathlib's glob matches hidden files too
                 self._index(path)
         log.info("kv disk %s: %d checkpoints, %.1f MiB", self.dir, len(self.entries), self.total / 2**20)
+        self.enforce_budget()  # a smaller --kv-disk-space-mb than the last run's holds from the start
         threading.Thread(target=self._write_loop, name="lmsp-kv-writer", daemon=True).start()
 
     @property
@@ -205,7 +227,14 @@ class CheckpointStore:
             arrays, meta = mx.load(str(entry.path), return_metadata=True)
             if meta.get("format") != FORMAT or meta.get("model") != self.fingerprint:
                 raise CheckpointError("metadata changed since indexing")
+            if "data_sha256" in meta:  # files written before it was kept are loaded unchecked
+                with open(entry.path, "rb") as f:
+                    (n,) = struct.unpack("<Q", f.read(8))
+                if file_data_hash(entry.path, 8 + n) != meta["data_sha256"]:
+                    raise CheckpointError("its tensor data does not match the checksum written with it")
             tokens = json.loads(meta["tokens"])
+            if not all(type(t) is int and 0 <= t < self.vocab_size for t in tokens):
+                raise CheckpointError(f"a token id outside the vocabulary (0..{self.vocab_size - 1})")
             classes = [getattr(mlx_cache, name) for name in json.loads(meta["classes"])]
             leaves = list(arrays.items()) + list(json.loads(meta["scalars"]).items())
             layers = tree_unflatten(leaves)
@@ -273,7 +302,7 @@ class CheckpointStore:
             temp = self.dir / f".tmp-{uuid.uuid4().hex}{SUFFIX}"
             began = time.perf_counter()
             try:
-                write_safetensors(temp, tensors, meta)
+                write_safetensors(temp, tensors, {**meta, "data_sha256": data_hash(tensors)})
                 os.replace(temp, final)
                 with self._lock:
                     self.entries.pop(final, None)

@@ -179,10 +179,17 @@ class SessionPool:
 
         `generated` are the sampled tokens in order (the KV holds those that were fed back);
         `ok` is False when generation failed and the KV cannot be trusted."""
-        s = start.session
         if not ok:
-            self._drop(s)
+            self._drop(start.session)
             return
+        try:
+            self._record(start, generated, binding, calls)
+        except Exception:  # half-recorded, its tokens and texts would disagree: lookups must not find it
+            log.exception("kv: the session's new state could not be recorded; it is dropped")
+            self._drop(start.session)
+
+    def _record(self, start: Start, generated: list[int], binding: Binding | None, calls) -> None:
+        s = start.session
         full = start.tokens + generated
         held = s.positions()
         held = len(full) if held is None else held
@@ -212,7 +219,7 @@ class SessionPool:
     def checkpoint(self, s: Session, reason: str) -> None:
         if self.disk is None or not s.tokens:
             return
-        kind, key, tail = ("visible", s.binding.key, s.binding.tail) if s.binding else ("token", s.text, "")
+        kind, key, tail = self._key(s)
         began = time.perf_counter()
         try:
             path = self.disk.save(s, kind, key, tail)
@@ -221,6 +228,11 @@ class SessionPool:
             return
         log.info("kv checkpoint reason=%s kind=%s tokens=%d file=%s (copied in %.2fs, written in the background)",
                  reason, kind, len(s.tokens), path.name, time.perf_counter() - began)
+
+    @staticmethod
+    def _key(s: Session) -> tuple[str, str, str]:
+        """(kind, key, tail) of the session's checkpoint: its file is named by kind and key."""
+        return ("visible", s.binding.key, s.binding.tail) if s.binding else ("token", s.text, "")
 
     def keep_history(self, start: Start, text: str) -> None:
         """Checkpoint the leading part of this request's KV that holds `text` (a compacted
@@ -268,10 +280,17 @@ class SessionPool:
     def _enforce_budget(self, keep: Session) -> None:
         while sum(s.nbytes for s in self.sessions) > self.policy.memory_bytes and len(self.sessions) > 1:
             victim = min((s for s in self.sessions if s is not keep), key=lambda s: s.last_used)
-            if self.policy.checkpoint_on_evict and len(victim.tokens) > victim.saved_tokens \
-                    and len(victim.tokens) >= self.policy.checkpoint_min_tokens:
+            if self.disk is None or not self.policy.checkpoint_on_evict:
+                fate = "dropped: no checkpoints"
+            elif len(victim.tokens) <= victim.saved_tokens:
+                fate = "already on disk"
+            elif len(victim.tokens) < self.policy.checkpoint_min_tokens:
+                fate = f"dropped: under --kv-checkpoint-min-tokens {self.policy.checkpoint_min_tokens}"
+            else:
+                fate = "checkpointed"
                 self.checkpoint(victim, "evict")
-            log.info("kv memory: evicting a session of %d tokens (%.1f MiB)", len(victim.tokens), victim.nbytes / 2**20)
+            log.info("kv memory: evicting a session of %d tokens (%.1f MiB), %s", len(victim.tokens),
+                     victim.nbytes / 2**20, fate)
             self._drop(victim)
 
     def close(self) -> None:
@@ -279,7 +298,9 @@ class SessionPool:
         if self.disk is None:
             return
         if self.policy.checkpoint_on_shutdown:
-            for s in self.sessions:
-                if len(s.tokens) > s.saved_tokens:
+            written = set()  # branches of one conversation can share a key: one file each
+            for s in sorted(self.sessions, key=lambda s: -len(s.tokens)):
+                if len(s.tokens) > s.saved_tokens and s.tokens and (key := self._key(s)[:2]) not in written:
+                    written.add(key)
                     self.checkpoint(s, "shutdown")
         self.disk.flush()
