@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import signal
 import time
 
 import httpx
@@ -107,3 +108,31 @@ def test_a_stored_conversation_continues_from_its_checkpoint_after_a_restart(sta
     nxt = post(after, ask("Why?", previous_response_id=first["id"]), headers={})
     assert sources(after) == ["disk"]
     assert cached(nxt) == kv_after(first)  # the hidden reasoning came back from disk too
+
+
+@pytest.mark.parametrize("stop", ["SIGKILL", "SIGTERM"])
+def test_a_stored_response_running_when_the_server_stops_is_kept(start_server, tiny_model_dir, tmp_path, stop):
+    # SIGTERM: it ends cancelled, with what it had said; SIGKILL: nothing runs at the end,
+    # but it was kept in_progress from the start and is failed at the next start.
+    args = ("--model", str(tiny_model_dir), "--model-id", "tiny", "--store", str(tmp_path / "store.sqlite3"))
+    server = start_server(*args)
+    lines = []
+    try:
+        with httpx.stream("POST", server.url + "/lmsp/v1/responses", timeout=120,
+                          json=ask(max_output_tokens=20000, store=True, stream=True)) as r:
+            for line in r.iter_lines():  # the client stays: its leaving would end the run itself
+                lines.append(line)
+                if line == "event: response.output_text.delta" and lines.count(line) == 5:
+                    server.proc.send_signal(getattr(signal, stop))  # once: a second one exits at once
+    except httpx.RemoteProtocolError:  # killed mid-stream
+        assert stop == "SIGKILL"
+    server.proc.wait(timeout=60)
+    response_id = json.loads(lines[2].removeprefix("data: "))["response_id"]
+    again = start_server(*args)
+    got = httpx.get(f"{again.url}/lmsp/v1/responses/{response_id}")
+    assert got.status_code == 200, got.text
+    if stop == "SIGKILL":
+        assert got.json()["status"] == "failed" and got.json()["error"]["code"] == "internal_error"
+        assert "marked failed" in again.log()
+    else:
+        assert got.json()["status"] == "cancelled" and got.json()["output"][0]["content"][0]["text"]

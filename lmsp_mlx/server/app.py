@@ -58,6 +58,9 @@ def create_app(engine: Engine, settings: ServerSettings, tokens: Tokens, db: Dat
     tasks = Tasks(TaskLog(db), IdempotencyKeys(db))
     responses = StoredResponses(db)
     tasks.recover(responses)
+    if lost := responses.recover(Problem("internal_error", "the service stopped while this response was "
+                                         "running").document()):
+        log.warning("%d stored response(s) were running when the service stopped: marked failed", lost)
     app.extensions["lmsp_mlx"] = ServerState(engine, settings, tokens, responses, tasks,
                                              Sealer(state_key, engine.model.fingerprint))
     app.register_blueprint(lmsp.bp)
@@ -72,6 +75,11 @@ def create_app(engine: Engine, settings: ServerSettings, tokens: Tokens, db: Dat
     async def stop_background():
         app.extensions["lmsp_mlx_sweeper"].cancel()
         await tasks.shutdown()
+        # Stored responses still running (their streams were ended by the shutdown) are
+        # kept as they ended before the process goes.
+        running = [run.ended() for _, run in list(app.extensions["lmsp_mlx"].running.values())]
+        if running:
+            await asyncio.wait([asyncio.ensure_future(r) for r in running], timeout=10)
 
     @app.get("/healthz")
     async def healthz():

@@ -381,11 +381,20 @@ async def start_run(route: str, req: ResponsesRequest, local: dict[str, Stored] 
     `compact`: the run summarises the conversation for a compaction (ResponseRun)."""
     from .state import state
 
+    s, who = state(), owner()
     run = await new_run(route, req, local, compact, stop)
-    await run.start()
+    if req.store:  # kept in_progress from the start: a crash leaves it failed, not unknown (recover)
+        await asyncio.to_thread(s.responses.put, who, run.stored_request(), run.response().model_dump(mode="json"),
+                                None)
+        s.running[run.id] = (who, run)  # GET reads it here until keep() stores it as it ended
+    try:
+        await run.start()
+    except BaseException:  # refused (a 400, a full queue): nothing to keep
+        if req.store:
+            s.running.pop(run.id, None)
+            await asyncio.to_thread(s.responses.delete, who, run.id)
+        raise
     g.generation = True  # the worker logs this request's line
-    if req.store:
-        state().running[run.id] = (owner(), run)  # until keep() stores it
     return run
 
 

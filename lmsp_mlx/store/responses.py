@@ -36,6 +36,20 @@ class StoredResponses:
                  json.dumps(request, ensure_ascii=False), json.dumps(response, ensure_ascii=False)),
             )
 
+    def recover(self, error: dict[str, Any]) -> int:
+        """At start: responses the last process was still generating (kept in_progress when
+        they started, so a crash does not lose them) end `failed` with `error`."""
+        rows = self.db.query("SELECT id, response FROM responses WHERE completed_at IS NULL")
+        failed = []
+        for response_id, raw in rows:
+            response = json.loads(raw)
+            if response.get("status") in ("queued", "in_progress"):
+                failed.append((json.dumps({**response, "status": "failed", "error": error}, ensure_ascii=False),
+                               now(), response_id))
+        with self.db.transaction() as c:
+            c.executemany("UPDATE responses SET response = ?, completed_at = ? WHERE id = ?", failed)
+        return len(failed)
+
     def get(self, owner: str, response_id: str) -> Stored | None:
         """A response this owner stored, or None."""
         rows = self.db.query(
