@@ -221,3 +221,14 @@ def test_unstored_response_is_not_found(client):
     assert "resp_01J8M6Q4W2T7N5R3V9X1Z8B0DF" in doc["detail"]
     r = client.post("/lmsp/v1/responses", json=ask(previous_response_id="resp_01J8M6Q4W2T7N5R3V9X1Z8B0DF"))
     assert problem(r, 404, "response_not_found")["param"] == "previous_response_id"
+
+
+def test_a_url_cannot_forge_log_lines(client, tiny_server):
+    # Decoded, %0d%0a would end the request's log line and start one the URL wrote.
+    problem(client.get("/lmsp/v1/tasks/x%0d%0a2026-01-01 INFO lmsp_mlx: forged%00"), 404, "task_not_found")
+    log = tiny_server.log()
+    assert not any(line.startswith("2026-01-01 INFO lmsp_mlx: forged") for line in log.splitlines())
+    assert "\x00" not in log and "x\\x0d\\x0a2026-01-01" in log
+    # The line says why a request was refused.
+    problem(client.post("/lmsp/v1/responses", json=ask(max_output_tokens=0)), 400, "invalid_request")
+    assert "param=max_output_tokens detail=" in tiny_server.log()

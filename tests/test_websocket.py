@@ -53,6 +53,9 @@ def test_a_bad_message_gets_an_error_event_and_the_connection_stays_open(sdk, ti
     with connect(tiny_server.url.replace("http", "ws") + "/v1/responses") as ws:
         ws.send("{not json")
         assert json.loads(ws.recv())["type"] == "error"
+        ws.send('{"type": "response.create", "input": ' + "[" * 5000 + "]" * 5000 + "}")  # too deep to decode
+        error = json.loads(ws.recv())
+        assert error["type"] == "error" and error["status"] == 400 and "deeply" in error["message"]
         ws.send(json.dumps({"type": "response.create", **ask(model="nope")}))
         error = json.loads(ws.recv())
         assert error["type"] == "error" and error["code"] == "model_not_found"

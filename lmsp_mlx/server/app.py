@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import re
 import time
 
 from quart import Quart, Response, g, has_request_context, request, websocket
@@ -25,6 +26,12 @@ log = logging.getLogger("lmsp_mlx.server")
 _HTTP_CODES = {404: "not_found", 405: "method_not_allowed", 413: "payload_too_large"}
 
 
+def _loggable(path: str) -> str:
+    """A request path as a log line may show it: decoded control characters (%0a, %00)
+    escaped, so a URL cannot forge or break lines."""
+    return re.sub(r"[\x00-\x1f\x7f]", lambda m: f"\\x{ord(m.group()):02x}", path)
+
+
 def _is_v1(path: str) -> bool:
     return path == "/v1" or path.startswith("/v1/")
 
@@ -37,7 +44,9 @@ def problem_response(problem: Problem) -> Response:
         body, mimetype = {"error": problem.openai_error()}, "application/json"
     else:
         body, mimetype = problem.document(), "application/problem+json"
-    log.info("request %s %s status=%d code=%s", method, path, problem.status, problem.code)
+    detail = problem.detail if len(problem.detail) <= 300 else problem.detail[:300] + "..."
+    log.info("request %s %s status=%d code=%s%s detail=%r", method, _loggable(path), problem.status, problem.code,
+             f" param={problem.param}" if problem.param else "", detail)
     resp = Response(json.dumps(body), status=problem.status, mimetype=mimetype)
     for name, value in problem.headers.items():
         resp.headers[name] = value
@@ -131,7 +140,7 @@ def create_app(engine: Engine, settings: ServerSettings, tokens: Tokens, db: Dat
         # One line per request: a generation's is the worker's (tokens, rates, status), an
         # error's is problem_response's; the rest get theirs here, but for liveness probes.
         if resp.status_code < 400 and not g.get("generation") and request.path != "/healthz":
-            log.info("request %s %s status=%d ms=%.0f", request.method, request.path, resp.status_code,
+            log.info("request %s %s status=%d ms=%.0f", request.method, _loggable(request.path), resp.status_code,
                      (time.perf_counter() - g.get("arrived", time.perf_counter())) * 1000)
         return resp
 
@@ -154,7 +163,7 @@ def create_app(engine: Engine, settings: ServerSettings, tokens: Tokens, db: Dat
     @app.errorhandler(Exception)
     async def on_unexpected(exc: Exception):
         method, path = (request.method, request.path) if has_request_context() else ("WEBSOCKET", websocket.path)
-        log.exception("unhandled error on %s %s", method, path)
+        log.exception("unhandled error on %s %s", method, _loggable(path))
         return problem_response(Problem("internal_error", f"{type(exc).__name__}: {exc}"))
 
     return app

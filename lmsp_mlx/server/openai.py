@@ -21,7 +21,7 @@ from .items import ItemEvent
 from .lmsp import stream_lmsp
 from .run import ResponseRun, compact, new_run, start_run, stored_response
 from .sse import OpenResponsesEvents, V1Event, sse_response
-from .state import read_json, state
+from .state import decode_json, read_json, state
 
 bp = Blueprint("openai", __name__, url_prefix="/v1")
 
@@ -166,7 +166,7 @@ async def responses_socket():
     while True:
         raw = await websocket.receive()
         try:
-            body = json.loads(raw)
+            body = decode_json(raw, "the message")
             if not isinstance(body, dict) or body.get("type") != "response.create":
                 raise Problem("invalid_request", 'expected a {"type": "response.create", ...} message', param="type")
             if body.get("background"):
@@ -177,9 +177,6 @@ async def responses_socket():
             if fields.get("store") is None:
                 req = req.model_copy(update={"store": True})  # as on HTTP
             run = await start_run("v1", req, local)
-        except json.JSONDecodeError as exc:
-            await websocket.send(_error_message(Problem("invalid_request", f"the message is not valid JSON: {exc}")))
-            continue
         except Problem as problem:
             await websocket.send(_error_message(problem))
             continue

@@ -48,13 +48,17 @@ def state() -> ServerState:
 
 async def read_json() -> Any:
     """The body as JSON; malformed JSON is 400 `invalid_request`."""
-    raw = await request.get_data()
+    return decode_json(await request.get_data(), "the body")
+
+
+def decode_json(raw: str | bytes, what: str) -> Any:
+    """`raw` as JSON (a body, a WebSocket message); malformed is 400 `invalid_request`."""
     try:
         return json.loads(raw)
     except (ValueError, UnicodeDecodeError) as exc:
-        raise Problem("invalid_request", f"the body is not valid JSON: {exc}") from None
+        raise Problem("invalid_request", f"{what} is not valid JSON: {exc}") from None
     except RecursionError:
-        raise Problem("invalid_request", "the body nests JSON too deeply") from None
+        raise Problem("invalid_request", f"{what} nests JSON too deeply") from None
 
 
 async def read_request() -> ResponsesRequest:
