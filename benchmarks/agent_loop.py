@@ -255,7 +255,8 @@ def main() -> None:
     rows = []
     for name, cmd, fn in (
         ("lmsp-mlx", [sys.executable, "-m", "lmsp_mlx.serve", "--model", str(model_dir), "--model-id", "bench",
-                      "--kv-disk-dir", str(logs / "kv")], stream_lmsp),
+                      "--kv-disk-dir", str(logs / "kv"), "--store", str(logs / "store.sqlite3"),
+                      "--state-key-file", str(logs / "state.key")], stream_lmsp),
         ("mlx_lm.server", [sys.executable, "-c", MLX_LM_WRAPPER, "--model", str(model_dir)], stream_mlx_lm),
     ):
         port = free_port()

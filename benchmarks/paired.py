@@ -48,7 +48,7 @@ def server(model: Path | None, prefix: str) -> Iterator[tuple[str, str, Path]]:
     folder = Path(tempfile.mkdtemp(prefix=prefix))
     log, port = folder / "server.log", _free_port()
     cmd = [sys.executable, "-m", "lmsp_mlx.serve", "--port", str(port), "--store", str(folder / "store.sqlite3"),
-           "--no-kv-disk", *(["--model", str(model)] if model else [])]
+           "--state-key-file", str(folder / "state.key"), "--no-kv-disk", *(["--model", str(model)] if model else [])]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=open(log, "w"), stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:

@@ -19,6 +19,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -89,9 +90,15 @@ def start_server(model: Path, model_id: str) -> tuple[subprocess.Popen, str]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
+    # Its own store and no checkpoints: a benchmark leaves nothing in the user's folders,
+    # and every prefill it measures is a real one.
+    folder = Path(tempfile.mkdtemp(prefix="prefill-decode-"))
+    log = folder / "server.log"
+    print(f"server log: {log}")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "lmsp_mlx.serve", "--model", str(model), "--model-id", model_id, "--port", str(port)],
-        cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        [sys.executable, "-m", "lmsp_mlx.serve", "--model", str(model), "--model-id", model_id, "--port", str(port),
+         "--store", str(folder / "store.sqlite3"), "--state-key-file", str(folder / "state.key"), "--no-kv-disk"],
+        cwd=ROOT, stdout=open(log, "w"), stderr=subprocess.STDOUT,
     )
     url = f"http://127.0.0.1:{port}"
     for _ in range(1200):

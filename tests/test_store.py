@@ -136,3 +136,15 @@ def test_a_stored_response_running_when_the_server_stops_is_kept(start_server, t
         assert "marked failed" in again.log()
     else:
         assert got.json()["status"] == "cancelled" and got.json()["output"][0]["content"][0]["text"]
+
+
+def test_the_store_and_the_checkpoints_are_private_to_their_owner(start_server, tiny_model_dir, tmp_path):
+    import stat
+
+    server = start_server("--model", str(tiny_model_dir), "--model-id", "tiny", "--store", str(tmp_path / "s.sqlite3"),
+                          "--kv-disk-dir", str(tmp_path / "kv"))
+    post(server, ask("Keep this one.", store=True), headers={})
+    assert stat.S_IMODE((tmp_path / "s.sqlite3").stat().st_mode) == 0o600
+    assert stat.S_IMODE((tmp_path / "s.sqlite3-wal").stat().st_mode) == 0o600
+    [folder] = (tmp_path / "kv").iterdir()  # one per model
+    assert stat.S_IMODE(folder.stat().st_mode) == 0o700

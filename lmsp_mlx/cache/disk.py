@@ -161,7 +161,7 @@ class CheckpointStore:
         self._lock = threading.Lock()  # entries: read by the worker, updated by the writer
         self.calls = calls  # tool-call turns found in checkpoints are remembered for exact replay
         self._writes: queue.Queue = queue.Queue()
-        self.dir.mkdir(parents=True, exist_ok=True)
+        self.dir.mkdir(mode=0o700, parents=True, exist_ok=True)  # checkpoints hold conversations: the owner's alone
         for stale in self.dir.glob(".tmp-*"):
             stale.unlink(missing_ok=True)  # a write that never finished
         for path in sorted(self.dir.glob("*" + SUFFIX)):

@@ -72,6 +72,8 @@ class Database:
         self.path = path
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
+            if not path.exists():  # it holds conversations: the owner's alone (its -wal and -shm follow it)
+                path.touch(mode=0o600)
             self._conn = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
             self._conn.execute("PRAGMA journal_mode=WAL")
             self._conn.execute("PRAGMA synchronous=NORMAL")  # WAL: durable across crashes of the process
