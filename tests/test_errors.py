@@ -232,3 +232,11 @@ def test_a_url_cannot_forge_log_lines(client, tiny_server):
     # The line says why a request was refused.
     problem(client.post("/lmsp/v1/responses", json=ask(max_output_tokens=0)), 400, "invalid_request")
     assert "param=max_output_tokens detail=" in tiny_server.log()
+
+
+@pytest.mark.parametrize("constant", ["NaN", "Infinity", "-Infinity"])
+def test_nan_and_infinity_are_not_json(client, constant):
+    body = b'{"model": "tiny", "input": "hi", "temperature": ' + constant.encode() + b"}"
+    doc = problem(client.post("/lmsp/v1/responses", content=body, headers={"content-type": "application/json"}),
+                  400, "invalid_request")
+    assert "not a JSON number" in doc["detail"]

@@ -51,10 +51,14 @@ async def read_json() -> Any:
     return decode_json(await request.get_data(), "the body")
 
 
+def _not_json(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON number (RFC 8259)")  # Python's json reads NaN and Infinity
+
+
 def decode_json(raw: str | bytes, what: str) -> Any:
     """`raw` as JSON (a body, a WebSocket message); malformed is 400 `invalid_request`."""
     try:
-        return json.loads(raw)
+        return json.loads(raw, parse_constant=_not_json)
     except (ValueError, UnicodeDecodeError) as exc:
         raise Problem("invalid_request", f"{what} is not valid JSON: {exc}") from None
     except RecursionError:
