@@ -220,6 +220,18 @@ def test_a_session_whose_turn_cannot_be_recorded_is_dropped(lm, monkeypatch, cap
     assert start.session not in pool.sessions and "dropped" in caplog.text
 
 
+def test_the_same_request_after_a_restart_starts_from_the_checkpoint_of_its_turn(lm, tmp_path):
+    # The checkpoint's key holds the reply too, so it is no prefix of the request that
+    # asked for it; its prompt part is: a retry after a restart is not prefilled cold.
+    pool = new_pool(lm, tmp_path)
+    messages = [{"role": "user", "content": STORY * 3}]
+    start, _, _ = turn(pool, lm, messages)
+    prompt_tokens = len(start.tokens)
+    checkpoint(pool, start.session)
+    again = matches_cold(new_pool(lm, tmp_path), lm, messages)  # a new process, the same folder
+    assert (again.source, again.cached) == ("disk", prompt_tokens - 1)  # one token is fed again
+
+
 def test_disk_budget_keeps_the_hit_and_the_newest(lm, tmp_path):
     pool = new_pool(lm, tmp_path)
     paths = []

@@ -7,7 +7,9 @@ Format `lmsp-kv-1` (also described in the README, "Checkpoints on disk"):
   keyed by the visible transcript a client replays, the KV may hold hidden reasoning;
   `token`: keyed by the text the tokens decode to), `key_sha256` and `key_chars` (the key's
   hash and length in characters), `key_text` (compaction checkpoints only: the key),
-  `tail` (visible kind: text to prefill before the request's suffix), `token_count`, `tokens` (JSON ids), `classes` (JSON: the mlx-lm cache class of
+  `tail` (visible kind: text to prefill before the request's suffix), `prompt_sha256`,
+  `prompt_chars` and `prompt_tokens` (the last turn's prompt as its tokens decode: a retry
+  of that request starts from it), `token_count`, `tokens` (JSON ids), `classes` (JSON: the mlx-lm cache class of
   each layer), `scalars` (JSON: the state's non-array leaves), `data_sha256` (SHA-256 of
   the tensor data, checked on load), and fixed-width decimal `created`, `last_used` (Unix
   seconds) and `hits`, which are updated in place.
@@ -60,6 +62,17 @@ def key_hash(text: str) -> str:
     return hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()
 
 
+@dataclass(frozen=True)
+class Match:
+    """A checkpoint found for a text: its first `tokens` hold the text's first `chars`
+    characters; `whole`: by its key (all of it), else by its last prompt."""
+
+    entry: "Entry"
+    tokens: int
+    chars: int
+    whole: bool
+
+
 @dataclass
 class Entry:
     path: Path
@@ -71,6 +84,11 @@ class Entry:
     created: int
     last_used: int
     hits: int
+    # The last turn's prompt, as its tokens decode (the rendered prompt, hidden reasoning
+    # included): a retry of that request after a restart starts from it.
+    prompt_sha256: str = ""
+    prompt_chars: int = 0
+    prompt_tokens: int = 0
 
     def score(self, now: float) -> float:
         """Higher is kept longer: often hit, recently used, long contexts."""
@@ -192,6 +210,8 @@ class CheckpointStore:
                 path=path, kind=meta["kind"], key_sha256=meta["key_sha256"], key_chars=int(meta["key_chars"]),
                 tokens=int(meta["token_count"]), size=path.stat().st_size, created=int(meta["created"]),
                 last_used=int(meta["last_used"]), hits=int(meta["hits"]),
+                prompt_sha256=meta.get("prompt_sha256", ""), prompt_chars=int(meta.get("prompt_chars", 0)),
+                prompt_tokens=int(meta.get("prompt_tokens", 0)),
             )
             if self.calls is not None and meta.get("calls"):
                 turn = json.loads(meta["calls"])
@@ -206,19 +226,28 @@ class CheckpointStore:
             self.entries[path] = entry
         return entry
 
-    def find(self, text: str, longer_than: int = 0) -> Entry | None:
-        """The checkpoint with the most tokens whose key is a prefix of `text`."""
+    def find(self, text: str, longer_than: int = 0) -> "Match | None":
+        """The checkpoint that holds the most tokens of `text`: one whose key is a prefix of
+        it, or else one whose last prompt is (the same request again, after a restart)."""
         hashes: dict[int, str] = {}
-        best = None
+
+        def prefix_of_text(sha: str, chars: int) -> bool:
+            if chars > len(text):
+                return False
+            if chars not in hashes:
+                hashes[chars] = key_hash(text[:chars])
+            return hashes[chars] == sha
+
+        best: Match | None = None
         with self._lock:
             entries = list(self.entries.values())
         for e in entries:
-            if e.key_chars > len(text) or e.tokens <= longer_than or (best and e.tokens <= best.tokens):
-                continue
-            if e.key_chars not in hashes:
-                hashes[e.key_chars] = key_hash(text[: e.key_chars])
-            if hashes[e.key_chars] == e.key_sha256:
-                best = e
+            if e.tokens > max(longer_than, best.tokens if best else 0) and prefix_of_text(e.key_sha256, e.key_chars):
+                best = Match(e, e.tokens, e.key_chars, whole=True)
+        for e in entries:
+            if e.prompt_tokens > max(longer_than, best.tokens if best else 0) \
+                    and prefix_of_text(e.prompt_sha256, e.prompt_chars):
+                best = Match(e, e.prompt_tokens, e.prompt_chars, whole=False)
         return best
 
     def load(self, entry: Entry, key: str) -> Session | None:
@@ -283,6 +312,9 @@ class CheckpointStore:
         }
         if keep_key:
             meta["key_text"] = key
+        if 0 < session.prompt_tokens < n and session.prompt_text:
+            meta.update(prompt_sha256=key_hash(session.prompt_text), prompt_chars=str(len(session.prompt_text)),
+                        prompt_tokens=str(session.prompt_tokens))
         if session.calls is not None:
             c = session.calls
             meta["calls"] = json.dumps({"call_ids": list(c.call_ids), "visible": c.visible, "items": list(c.items),

@@ -142,23 +142,39 @@ class SessionPool:
                     break
 
         if self.disk is not None:
-            found = [(e, t) for t in dict.fromkeys((seen, text))
-                     if (e := self.disk.find(t, longer_than=best.cached if best else 0)) is not None]
-            entry, matched = max(found, key=lambda f: f[0].tokens) if found else (None, text)
-            if entry is not None:
-                session = self.disk.load(entry, matched[: entry.key_chars])
-                if session is not None:
-                    log.info("kv disk: restored %s (%d tokens, %s)", entry.path.name, entry.tokens, entry.kind)
-                    tail = session.binding.tail if session.binding is not None else ""
-                    full = session.tokens + self._encode(tail + matched[entry.key_chars:])
-                    if len(full) <= limit:
-                        keyed = session.binding is not None  # a visible-kind checkpoint
-                        return Start(session, "disk", len(session.tokens), full,
-                                     key_chars=entry.key_chars if keyed else 0, tail=tail)
+            found = [(m, t) for t in dict.fromkeys((seen, text))
+                     if (m := self.disk.find(t, longer_than=best.cached if best else 0)) is not None]
+            match, matched = max(found, key=lambda f: f[0].tokens) if found else (None, text)
+            if match is not None and (start := self._restore(match, matched, limit)) is not None:
+                return start
 
         if best is not None:
             return self._take(best)
         return Start(Session(cache=self.new_cache()), "cold", 0, tokens)
+
+    def _restore(self, match, text: str, limit: int) -> Start | None:
+        """Start from a checkpoint `match` found for `text`: all of it, or its last prompt,
+        cut back a token where the request is that prompt again (one must be fed)."""
+        entry = match.entry
+        session = self.disk.load(entry, text[: entry.key_chars] if match.whole else "")
+        if session is None:
+            return None
+        if not match.whole:
+            full = session.tokens[: match.tokens] + self._encode(text[match.chars:])
+            cached = min(match.tokens, len(full) - 1)
+            if len(full) > limit or not session.cut(cached):
+                return None
+            session.binding = None
+            log.info("kv disk: restored %s (%d of its %d tokens: its last prompt)", entry.path.name, cached,
+                     entry.tokens)
+            return Start(session, "disk", cached, full)
+        log.info("kv disk: restored %s (%d tokens, %s)", entry.path.name, entry.tokens, entry.kind)
+        tail = session.binding.tail if session.binding is not None else ""
+        full = session.tokens + self._encode(tail + text[entry.key_chars:])
+        if len(full) > limit:
+            return None
+        keyed = session.binding is not None  # a visible-kind checkpoint
+        return Start(session, "disk", len(session.tokens), full, key_chars=entry.key_chars if keyed else 0, tail=tail)
 
     def _take(self, start: Start) -> Start:
         """Cut the chosen session to the reused prefix: in place when the whole session is
