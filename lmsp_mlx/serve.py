@@ -8,8 +8,8 @@ import ipaddress
 import logging
 import math
 import os
-import socket
 import signal
+import socket
 import sys
 from pathlib import Path
 

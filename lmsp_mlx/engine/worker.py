@@ -185,8 +185,8 @@ class Engine:
         try:
             self._jobs.put_nowait(job)
         except queue.Full:
-            # When a slot is likely free: the jobs ahead, at the recent time per job.
-            wait = max(1, math.ceil(self._jobs.maxsize * self._job_seconds))
+            # A slot frees when the running job ends: about the recent time per job.
+            wait = max(1, math.ceil(self._job_seconds))
             raise Problem(
                 "queue_full",
                 f"{self._jobs.maxsize} requests are already waiting for the model; retry in about {wait} s",
