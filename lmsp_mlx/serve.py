@@ -212,6 +212,8 @@ def main(argv: list[str] | None = None) -> int:
             store = args.models_dir or default_models_dir()
             if not model_path.exists() and (store / args.model).exists():  # a name in the model store
                 model_path = store / args.model
+            elif not model_path.exists():
+                return _fail(f"model {str(args.model)!r} does not exist, neither as a path nor in the model store {store}")
         engine = Engine(model_path, ctx=args.ctx, max_queue=args.max_queue, model_id=args.model_id, cache=_cache_settings(args))
         lm = engine.start()
     except (ModelStoreError, ModelLoadError) as exc:
