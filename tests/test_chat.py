@@ -171,3 +171,31 @@ def test_bad_chat_requests_are_openai_errors(tiny_server, fields, status, code, 
     assert r.status_code == status, r.text
     err = r.json()["error"]
     assert (err["code"], err["param"], err["type"]) == (code, param, "invalid_request_error")
+
+
+def test_another_tokens_visible_transcript_does_not_open_its_hidden_state(start_server, caller_dir, tmp_path):  # noqa: F811
+    # The live KV after a tool call holds the reasoning the transcript does not show. A
+    # replay by visible transcript continues it for its own token only: another token that
+    # replays the same transcript starts from what it sent itself.
+    everything = ["responses:write", "responses:read", "models:read"]
+    tokens = tmp_path / "tokens.json"
+    tokens.write_text(json.dumps({"alice": everything, "mallory": everything}))
+    server = start_server("--model", str(caller_dir), "--model-id", "tiny", "--tokens", str(tokens))
+
+    def client(who: str) -> openai.OpenAI:
+        return openai.OpenAI(base_url=server.url + "/v1", api_key=who, timeout=120, max_retries=0)
+
+    messages = [{"role": "user", "content": "Weather and time in Paris?"}]
+    first = client("alice").chat.completions.create(model="tiny", messages=messages, tools=CHAT_TOOLS, temperature=0,
+                                                    max_tokens=40)
+    reply = first.choices[0].message.model_dump(exclude_none=True)
+    reply.pop("reasoning_content")  # as most Chat clients replay it
+    messages += [reply] + [{"role": "tool", "tool_call_id": c.id, "content": "{}"} for c in first.choices[0].message.tool_calls]
+    theirs = client("mallory").chat.completions.create(model="tiny", messages=messages, tools=CHAT_TOOLS,
+                                                       temperature=0, max_tokens=4)
+    assert sources(server)[-1] != "visible"
+    held = first.usage.prompt_tokens + first.usage.completion_tokens + 1
+    assert theirs.usage.prompt_tokens_details.cached_tokens < held
+    mine = client("alice").chat.completions.create(model="tiny", messages=messages, tools=CHAT_TOOLS, temperature=0,
+                                                   max_tokens=4)
+    assert sources(server)[-1] == "visible" and mine.usage.prompt_tokens_details.cached_tokens == held

@@ -9,7 +9,8 @@ Format `lmsp-kv-1` (also described in the README, "Checkpoints on disk"):
   hash and length in characters), `key_text` (compaction checkpoints only: the key),
   `tail` (visible kind: text to prefill before the request's suffix), `prompt_sha256`,
   `prompt_chars` and `prompt_tokens` (the last turn's prompt as its tokens decode: a retry
-  of that request starts from it), `token_count`, `tokens` (JSON ids), `classes` (JSON: the mlx-lm cache class of
+  of that request starts from it), `owner` (visible kind: the token hash whose transcript
+  keys it; only that token's requests match it), `token_count`, `tokens` (JSON ids), `classes` (JSON: the mlx-lm cache class of
   each layer), `scalars` (JSON: the state's non-array leaves), `data_sha256` (SHA-256 of
   the tensor data, checked on load), and fixed-width decimal `created`, `last_used` (Unix
   seconds) and `hits`, which are updated in place.
@@ -89,6 +90,7 @@ class Entry:
     prompt_sha256: str = ""
     prompt_chars: int = 0
     prompt_tokens: int = 0
+    owner: str = "local"  # visible kind: the token whose transcript keys it
 
     def score(self, now: float) -> float:
         """Higher is kept longer: often hit, recently used, long contexts."""
@@ -211,7 +213,7 @@ class CheckpointStore:
                 tokens=int(meta["token_count"]), size=path.stat().st_size, created=int(meta["created"]),
                 last_used=int(meta["last_used"]), hits=int(meta["hits"]),
                 prompt_sha256=meta.get("prompt_sha256", ""), prompt_chars=int(meta.get("prompt_chars", 0)),
-                prompt_tokens=int(meta.get("prompt_tokens", 0)),
+                prompt_tokens=int(meta.get("prompt_tokens", 0)), owner=meta.get("owner", "local"),
             )
             if self.calls is not None and meta.get("calls"):
                 turn = json.loads(meta["calls"])
@@ -226,9 +228,10 @@ class CheckpointStore:
             self.entries[path] = entry
         return entry
 
-    def find(self, text: str, longer_than: int = 0) -> "Match | None":
+    def find(self, text: str, owner: str, longer_than: int = 0) -> "Match | None":
         """The checkpoint that holds the most tokens of `text`: one whose key is a prefix of
-        it, or else one whose last prompt is (the same request again, after a restart)."""
+        it (a visible-transcript key only for its owner: the KV holds what the transcript
+        does not show), or else one whose last prompt is (the same request again)."""
         hashes: dict[int, str] = {}
 
         def prefix_of_text(sha: str, chars: int) -> bool:
@@ -242,6 +245,8 @@ class CheckpointStore:
         with self._lock:
             entries = list(self.entries.values())
         for e in entries:
+            if e.kind == "visible" and e.owner != owner:
+                continue
             if e.tokens > max(longer_than, best.tokens if best else 0) and prefix_of_text(e.key_sha256, e.key_chars):
                 best = Match(e, e.tokens, e.key_chars, whole=True)
         for e in entries:
@@ -277,6 +282,7 @@ class CheckpointStore:
             return None
         if entry.kind == "visible":
             session.binding = Binding(key=key, tail=meta.get("tail", ""))
+            session.owner = entry.owner
         session.saved_tokens = len(tokens)
         self._touch(entry)
         return session
@@ -312,6 +318,8 @@ class CheckpointStore:
         }
         if keep_key:
             meta["key_text"] = key
+        if kind == "visible":
+            meta["owner"] = session.owner
         if 0 < session.prompt_tokens < n and session.prompt_text:
             meta.update(prompt_sha256=key_hash(session.prompt_text), prompt_chars=str(len(session.prompt_text)),
                         prompt_tokens=str(session.prompt_tokens))

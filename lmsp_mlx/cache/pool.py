@@ -58,6 +58,7 @@ class Start:
     # `key_chars` characters (hidden reasoning included), and `tail` was prefilled after them.
     key_chars: int = 0
     tail: str = ""
+    owner: str = "local"  # the token whose request this is: it owns the session's binding after the turn
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
@@ -94,13 +95,14 @@ class SessionPool:
     # -- lookup ---------------------------------------------------------------------------
 
     def start(self, text: str, tokens: list[int], limit: int, label: str | None = None,
-              visible: str | None = None) -> Start:
+              visible: str | None = None, owner: str = "local") -> Start:
         """Where the request with rendered `text` and `tokens` starts; `limit` is the most
         tokens the KV may hold before decoding (the context minus one). `label` names a
         live continuation (a tool-output-only request) in the log line when it is found.
         `visible`: the visible-only rendering, where `text` is the true history (hidden
         reasoning revealed); the two differ only inside replayed turns."""
-        start = self._lookup(text, tokens, limit, visible or text)
+        start = self._lookup(text, tokens, limit, visible or text, owner)
+        start.owner = owner
         if start.session not in self.sessions:
             start.made = True
             self.sessions.append(start.session)
@@ -114,9 +116,13 @@ class SessionPool:
         if start.made:
             self._drop(start.session)
 
-    def _lookup(self, text: str, tokens: list[int], limit: int, seen: str) -> Start:
+    def _lookup(self, text: str, tokens: list[int], limit: int, seen: str, owner: str) -> Start:
         n = len(tokens)
-        visible = [s for s in self.sessions if s.binding and seen.startswith(s.binding.key) and len(seen) > len(s.binding.key)]
+        # By visible transcript only the owner's own sessions: their KV holds what the
+        # transcript does not show (hidden reasoning). The other lookups match what the
+        # request itself holds, whoever made the session.
+        visible = [s for s in self.sessions if s.binding and s.owner == owner and seen.startswith(s.binding.key)
+                   and len(seen) > len(s.binding.key)]
         if visible:
             s = max(visible, key=lambda s: len(s.binding.key))
             full = s.tokens + self._encode(s.binding.tail + seen[len(s.binding.key):])
@@ -143,7 +149,7 @@ class SessionPool:
 
         if self.disk is not None:
             found = [(m, t) for t in dict.fromkeys((seen, text))
-                     if (m := self.disk.find(t, longer_than=best.cached if best else 0)) is not None]
+                     if (m := self.disk.find(t, owner, longer_than=best.cached if best else 0)) is not None]
             match, matched = max(found, key=lambda f: f[0].tokens) if found else (None, text)
             if match is not None and (start := self._restore(match, matched, limit)) is not None:
                 return start
@@ -221,6 +227,7 @@ class SessionPool:
             # look-ahead step feeds its end-of-turn token): it is prefilled with the tail.
             binding = Binding(binding.key, self._decode(full[-1:]) + binding.tail)
         s.binding = binding if len(s.tokens) >= len(full) - 1 else None
+        s.owner = start.owner
         s.calls = calls if s.binding else None
         s.last_used = time.monotonic()
         s.snapshot()
@@ -270,7 +277,7 @@ class SessionPool:
         if self.disk is None:
             return
         try:
-            path = self.disk.save(Session(cache=s.cache, tokens=found), kind, text, keep_key=True)
+            path = self.disk.save(Session(cache=s.cache, tokens=found, owner=start.owner), kind, text, keep_key=True)
         except Exception as exc:  # a cache that cannot be cut to the prefix (sliding window, recurrent)
             log.warning("kv checkpoint reason=compaction failed: %s: %s", type(exc).__name__, exc)
             return

@@ -95,6 +95,7 @@ class Session:
     prompt_tokens: int = 0  # the last request's prompt: the turn boundary
     prompt_text: str = ""
     binding: Binding | None = None
+    owner: str = "local"  # the token whose turn the binding records (server/auth.py)
     calls: Any = None  # calls.CallTurn of the last turn, when it made tool calls
     snapshots: list[Snapshot] = field(default_factory=list)
     saved_tokens: int = 0  # tokens in the newest checkpoint of this session's current line

@@ -247,7 +247,8 @@ class Engine:
             self._log(job, lm, "cancelled", Usage(n, 0), 0.0, 0.0, f" prefilled=0/{n}")
             return
         label = f"tool-output ids={len(job.conv.live_calls)}" if job.conv and job.conv.live_calls else None
-        start = pool.start(job.text, job.params.prompt, limit=lm.context_length - 1, label=label, visible=job.visible)
+        start = pool.start(job.text, job.params.prompt, limit=lm.context_length - 1, label=label, visible=job.visible,
+                           owner=job.conv.owner if job.conv else "local")
         if label and start.source not in ("visible", "disk"):
             # Its live state was replaced while it waited: a tool result alone cannot be
             # prefilled cold (the model would never see its own call).
