@@ -21,7 +21,7 @@ class CallTurn:
     visible: str  # the turn's sampled text after any reasoning, call markup included
     items: tuple  # the conversation's input items through this turn's output, as JSON dicts
     head: str = ""  # the compacted conversation's text the items continue (server/compaction.py)
-    owner: str = ""  # the token whose request made the turn: only it may continue the turn by call id
+    owner: str = "local"  # the token whose request made the turn ("local" without tokens): it alone continues it
 
 
     def replays(self, calls: list, text: str) -> bool:
