@@ -183,3 +183,23 @@ def test_shutdown_during_a_long_prefill_chunk_ends_the_stream_before_the_chunk(s
     assert server.proc.wait(timeout=300) == 0
     log = server.log()
     assert "status=cancelled prefilled=" in log and "Traceback" not in log
+
+
+def test_shutdown_marks_the_item_it_cut_incomplete_on_v1(start_server, tiny_model_dir):
+    # As the stored response has it: the message the shutdown cut is not `completed`.
+    import json
+    import signal
+
+    server = start_server("--model", str(tiny_model_dir), "--model-id", "tiny")
+    body = {**ask(max_output_tokens=30000), "stream": True}
+    with httpx.stream("POST", server.url + "/v1/responses", json=body, timeout=60) as r:
+        events, signalled = [], False
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                events.append(json.loads(line[6:]))
+                if events[-1]["type"] == "response.output_text.delta" and not signalled:
+                    server.proc.send_signal(signal.SIGTERM)
+                    signalled = True
+    [done] = [e["item"] for e in events if e["type"] == "response.output_item.done"]
+    assert done["status"] == "incomplete" and done["content"][0]["text"]
+    assert server.proc.wait(timeout=60) == 0

@@ -235,7 +235,7 @@ class ResponseRun:
 
     def _fold(self, event) -> list[ItemEvent]:
         if isinstance(event, Finished):
-            cut = "incomplete" if event.reason == "length" else "completed"
+            cut = "incomplete" if event.reason in ("length", "cancelled") else "completed"  # the item it cut
             out = self.folder.close(ensure_message=event.reason != "cancelled" and self.req.generate is not False,
                                     status=cut)
             u = event.usage
