@@ -14,6 +14,10 @@ import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 
+# The owner of every request on a server without tokens (server/auth.py hashes tokens
+# into the others): what the KV state remembers as its owner where none is known.
+LOCAL_OWNER = "local"
+
 
 @dataclass(frozen=True)
 class CallTurn:
@@ -21,7 +25,7 @@ class CallTurn:
     visible: str  # the turn's sampled text after any reasoning, call markup included
     items: tuple  # the conversation's input items through this turn's output, as JSON dicts
     head: str = ""  # the compacted conversation's text the items continue (server/compaction.py)
-    owner: str = "local"  # the token whose request made the turn ("local" without tokens): it alone continues it
+    owner: str = LOCAL_OWNER  # the token whose request made the turn: it alone continues it by call id
 
 
     def replays(self, calls: list, text: str) -> bool:

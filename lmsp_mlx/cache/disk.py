@@ -46,7 +46,7 @@ import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 from mlx_lm.models import cache as mlx_cache
 
-from .calls import CallMemory, CallTurn
+from .calls import LOCAL_OWNER, CallMemory, CallTurn
 from .session import Binding, Session, prefix_state, restore
 
 log = logging.getLogger("lmsp_mlx.cache")
@@ -90,7 +90,7 @@ class Entry:
     prompt_sha256: str = ""
     prompt_chars: int = 0
     prompt_tokens: int = 0
-    owner: str = "local"  # visible kind: the token whose transcript keys it
+    owner: str = LOCAL_OWNER  # visible kind: the token whose transcript keys it
 
     def score(self, now: float) -> float:
         """Higher is kept longer: often hit, recently used, long contexts."""
@@ -213,14 +213,14 @@ class CheckpointStore:
                 tokens=int(meta["token_count"]), size=path.stat().st_size, created=int(meta["created"]),
                 last_used=int(meta["last_used"]), hits=int(meta["hits"]),
                 prompt_sha256=meta.get("prompt_sha256", ""), prompt_chars=int(meta.get("prompt_chars", 0)),
-                prompt_tokens=int(meta.get("prompt_tokens", 0)), owner=meta.get("owner", "local"),
+                prompt_tokens=int(meta.get("prompt_tokens", 0)), owner=meta.get("owner", LOCAL_OWNER),
             )
             if self.calls is not None and meta.get("calls"):
                 turn = json.loads(meta["calls"])
                 self.calls.remember(CallTurn(tuple(turn["call_ids"]), turn["visible"], tuple(turn["items"]),
                                              turn.get("head", ""),
                                              # before owners were kept: the one owner of a server without tokens
-                                             turn.get("owner", "local")))
+                                             turn.get("owner", LOCAL_OWNER)))
         except (OSError, CheckpointError, KeyError, ValueError, TypeError) as exc:
             self._reject(path, str(exc) or type(exc).__name__)
             return None

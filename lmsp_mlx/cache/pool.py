@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from mlx_lm.models.cache import KVCache, QuantizedKVCache, make_prompt_cache
 
 from .disk import CheckpointStore
+from .calls import LOCAL_OWNER
 from .session import Binding, Session
 
 log = logging.getLogger("lmsp_mlx.cache")
@@ -58,7 +59,7 @@ class Start:
     # `key_chars` characters (hidden reasoning included), and `tail` was prefilled after them.
     key_chars: int = 0
     tail: str = ""
-    owner: str = "local"  # the token whose request this is: it owns the session's binding after the turn
+    owner: str = LOCAL_OWNER  # the token whose request this is: it owns the session's binding after the turn
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
@@ -95,7 +96,7 @@ class SessionPool:
     # -- lookup ---------------------------------------------------------------------------
 
     def start(self, text: str, tokens: list[int], limit: int, label: str | None = None,
-              visible: str | None = None, owner: str = "local") -> Start:
+              visible: str | None = None, owner: str = LOCAL_OWNER) -> Start:
         """Where the request with rendered `text` and `tokens` starts; `limit` is the most
         tokens the KV may hold before decoding (the context minus one). `label` names a
         live continuation (a tool-output-only request) in the log line when it is found.

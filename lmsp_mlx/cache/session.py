@@ -15,6 +15,8 @@ import mlx.core as mx
 from mlx.utils import tree_flatten, tree_map
 from mlx_lm.models import cache as mlx_cache
 
+from .calls import LOCAL_OWNER
+
 
 @dataclass(frozen=True)
 class Binding:
@@ -95,7 +97,7 @@ class Session:
     prompt_tokens: int = 0  # the last request's prompt: the turn boundary
     prompt_text: str = ""
     binding: Binding | None = None
-    owner: str = "local"  # the token whose turn the binding records (server/auth.py)
+    owner: str = LOCAL_OWNER  # the token whose turn the binding records (server/auth.py)
     calls: Any = None  # calls.CallTurn of the last turn, when it made tool calls
     snapshots: list[Snapshot] = field(default_factory=list)
     saved_tokens: int = 0  # tokens in the newest checkpoint of this session's current line

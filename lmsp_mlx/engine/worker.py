@@ -21,7 +21,7 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from ..cache.calls import CallMemory
+from ..cache.calls import LOCAL_OWNER, CallMemory
 from ..cache.disk import CheckpointStore
 from ..cache.pool import Policy, SessionPool
 from ..protocol.problems import Problem
@@ -248,7 +248,7 @@ class Engine:
             return
         label = f"tool-output ids={len(job.conv.live_calls)}" if job.conv and job.conv.live_calls else None
         start = pool.start(job.text, job.params.prompt, limit=lm.context_length - 1, label=label, visible=job.visible,
-                           owner=job.conv.owner if job.conv else "local")
+                           owner=job.conv.owner if job.conv else LOCAL_OWNER)
         if label and start.source not in ("visible", "disk"):
             # Its live state was replaced while it waited: a tool result alone cannot be
             # prefilled cold (the model would never see its own call).

@@ -19,11 +19,11 @@ from typing import Callable
 
 from quart import g
 
+from ..cache.calls import LOCAL_OWNER
 from ..protocol.problems import Problem
 
 SCOPES = frozenset({"responses:write", "responses:read", "models:read", "admin"})
 RESERVED = frozenset({"tools:execute"})  # LMSP reserves it for services that run tools; this one does not
-LOCAL_OWNER = "local"
 
 
 class TokensError(ValueError):
