@@ -183,6 +183,69 @@ def test_a_background_response_is_polled_and_cancelled(tiny_server):
         sdk.responses.create(**short, background=True, store=False)
 
 
+def _checked(events) -> list[dict]:
+    out = [e.to_dict(mode="json") for e in events]  # as sent: the fields the server set
+    for data in out:
+        EVENTS[data["type"]].model_validate(data)
+    return out
+
+
+def test_a_background_stream_survives_its_client_and_is_resumed(tiny_server):
+    import time
+
+    import openai
+
+    sdk = openai.OpenAI(base_url=tiny_server.url + "/v1", api_key="unused", max_retries=0)
+    body = {"model": "tiny", "input": "Count these tokens", "temperature": 0, "max_output_tokens": 12}
+    seen = []
+    with sdk.responses.create(**body, background=True, stream=True) as stream:
+        for event in stream:
+            seen.append(event)
+            if len(seen) == 5:
+                break  # the client's connection drops here
+    response_id = seen[0].response.id
+    assert seen[0].type == "response.created" and seen[0].response.background
+    deadline = time.monotonic() + 60
+    while (polled := sdk.responses.retrieve(response_id)).status in ("queued", "in_progress"):
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    assert polled.status == "incomplete" and polled.background  # it ran to its end without a client
+    assert polled.output_text == sdk.responses.create(**body, store=False).output_text
+
+    whole = _checked(sdk.responses.retrieve(response_id, stream=True))  # from the start
+    assert [e["sequence_number"] for e in whole] == list(range(len(whole)))
+    assert whole[:5] == [e.to_dict(mode="json") for e in seen]  # what the client got first
+    assert whole[-1]["type"] == "response.incomplete" and whole[-1]["response"]["output"] == polled.to_dict(
+        mode="json")["output"]
+    assert "".join(e["delta"] for e in whole if e["type"] == "response.output_text.delta") == polled.output_text
+
+    resumed = _checked(sdk.responses.retrieve(response_id, stream=True, starting_after=seen[-1].sequence_number))
+    assert resumed == whole[5:]  # exactly what the client missed
+    with sdk.responses.stream(response_id=response_id, starting_after=3) as stream:  # the SDK's own resume
+        assert [e.sequence_number for e in stream] == list(range(4, len(whole)))
+    assert _checked(sdk.responses.retrieve(response_id, stream=True, starting_after=len(whole))) == []
+    for bad in ("x", "-2"):
+        r = httpx.get(f"{tiny_server.url}/v1/responses/{response_id}", params={"stream": "true", "starting_after": bad})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "starting_after"
+    r = httpx.get(f"{tiny_server.url}/v1/responses/resp_missing", params={"stream": "true"})
+    assert r.status_code == 404
+
+
+def test_a_cancelled_background_stream_ends_for_every_follower(tiny_server):
+    import openai
+
+    sdk = openai.OpenAI(base_url=tiny_server.url + "/v1", api_key="unused", max_retries=0)
+    body = {"model": "tiny", "input": "Count these tokens", "temperature": 0, "max_output_tokens": 20000}
+    with sdk.responses.create(**body, background=True, stream=True) as stream:
+        first = next(iter(stream))
+        assert sdk.responses.cancel(first.response.id).status == "cancelled"
+        rest = _checked(stream)  # the stream it was started with ends too
+    assert rest[-1]["type"] == "response.failed" and rest[-1]["response"]["status"] == "cancelled"
+    again = _checked(sdk.responses.retrieve(first.response.id, stream=True, starting_after=0))
+    assert again == rest
+    assert sdk.responses.retrieve(first.response.id).status == "cancelled"
+
+
 def test_input_tokens_are_counted_without_generating(tiny_server):
     import openai
 

@@ -161,6 +161,9 @@ def test_the_openapi_document_lists_every_route(client, tiny_server):
     assert set(events["responses"]["200"]["content"]) == {"text/event-stream"}
     assert set(paths["/lmsp/v1/responses/{response_id}"]["get"]["responses"]["200"]["content"]) == {"application/json"}
     assert "text/event-stream" in create["responses"]["200"]["content"]
+    resume = paths["/v1/responses/{response_id}"]["get"]  # a background response streamed again
+    assert {p["name"] for p in resume["parameters"]} == {"response_id", "stream", "starting_after"}
+    assert set(resume["responses"]["200"]["content"]) == {"application/json", "text/event-stream"}
     schemas = doc["components"]["schemas"]
     assert {"ResponsesRequest", "ResponseObject", "Problem", "TaskCreate", "Task", "ChatRequest"} <= set(schemas)
     # Every reference resolves inside the document.

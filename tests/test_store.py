@@ -148,3 +148,37 @@ def test_the_store_and_the_checkpoints_are_private_to_their_owner(start_server, 
     assert stat.S_IMODE((tmp_path / "s.sqlite3-wal").stat().st_mode) == 0o600
     [folder] = (tmp_path / "kv").iterdir()  # one per model
     assert stat.S_IMODE(folder.stat().st_mode) == 0o700
+
+
+SCHEMA_1_TASKS = """
+CREATE TABLE tasks (id TEXT PRIMARY KEY, owner TEXT NOT NULL, status TEXT NOT NULL, response_id TEXT NOT NULL,
+    created_at REAL NOT NULL, ended_at REAL, last_event_id INTEGER NOT NULL DEFAULT 0,
+    events_expired INTEGER NOT NULL DEFAULT 0, request TEXT NOT NULL, response TEXT);
+CREATE TABLE task_events (task_id TEXT NOT NULL, id INTEGER NOT NULL, event TEXT NOT NULL, data TEXT NOT NULL,
+    PRIMARY KEY (task_id, id)) WITHOUT ROWID;
+PRAGMA user_version=1;
+"""
+
+
+def test_a_store_of_the_first_schema_is_upgraded_and_keeps_its_tasks(start_server, tiny_model_dir, tmp_path):
+    import sqlite3
+    from contextlib import closing
+
+    store = tmp_path / "old.sqlite3"
+    final = {"type": "response.completed", "sequence_number": 1, "response_id": "resp_old", "status": "completed"}
+    with closing(sqlite3.connect(store)) as db:
+        db.executescript(SCHEMA_1_TASKS)
+        db.execute("INSERT INTO tasks VALUES ('task_old', 'local', 'completed', 'resp_old', ?, ?, 1, 0, ?, ?)",
+                   (time.time(), time.time(), json.dumps({"model": "tiny", "input": []}),
+                    json.dumps({"id": "resp_old", "status": "completed"})))
+        db.execute("INSERT INTO task_events VALUES ('task_old', 1, 'response.completed', ?)", (json.dumps(final),))
+        db.commit()
+    server = start_server("--model", str(tiny_model_dir), "--model-id", "tiny", "--store", str(store))
+    assert httpx.get(server.url + "/lmsp/v1/tasks/task_old").json()["status"] == "completed"
+    r = httpx.get(server.url + "/lmsp/v1/tasks/task_old/events")
+    assert r.status_code == 200 and "response.completed" in r.text
+    started = post(server, {**ask(max_output_tokens=2), "background": True}, headers={}, route="/v1/responses")
+    with httpx.stream("GET", f"{server.url}/v1/responses/{started['id']}", params={"stream": "true"}) as r:
+        assert r.status_code == 200 and list(r.iter_lines())[-2] == "data: [DONE]"
+    with closing(sqlite3.connect(store)) as db:
+        assert db.execute("PRAGMA user_version").fetchone()[0] == 2

@@ -193,6 +193,40 @@ def test_a_task_running_when_the_server_is_killed_is_failed_after_restart(start_
     assert stored[-1]["event"] == "response.failed"
 
 
+def test_a_v1_background_stream_running_when_the_server_is_killed_ends_failed_after_restart(
+        start_server, tiny_model_dir, tmp_path):
+    store = str(tmp_path / "store.sqlite3")
+    args = ("--model", str(tiny_model_dir), "--model-id", "tiny", "--store", store)
+    server = start_server(*args)
+    lines = []
+    with httpx.stream("POST", server.url + "/v1/responses", timeout=120,
+                      json={**ask(max_output_tokens=20000), "background": True, "stream": True}) as r:
+        for line in r.iter_lines():
+            lines.append(line)
+            if len([e for e in read_sse(lines) if "data" in e]) == 6 and line == "":
+                break
+    seen = [e["data"] for e in read_sse(lines) if "data" in e]
+    response_id = seen[0]["response"]["id"]
+    with closing(sqlite3.connect(store)) as db:
+        task_id = db.execute("SELECT id FROM tasks WHERE response_id = ?", (response_id,)).fetchone()[0]
+    deadline = time.monotonic() + 60
+    while stored_events(store, task_id) < 6:
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    server.proc.kill()
+    server.proc.wait()
+    again = start_server(*args)
+    polled = httpx.get(f"{again.url}/v1/responses/{response_id}").json()
+    assert polled["status"] == "failed" and polled["error"]["code"] == "internal_error" and polled["background"]
+    with httpx.stream("GET", f"{again.url}/v1/responses/{response_id}", params={"stream": "true"}) as r:
+        replayed = [e["data"] for e in read_sse(list(r.iter_lines())) if isinstance(e.get("data"), dict)]
+    assert replayed[:6] == seen
+    assert [e["sequence_number"] for e in replayed] == list(range(len(replayed)))
+    assert replayed[-1]["type"] == "response.failed" and replayed[-1]["response"] == polled
+    text = "".join(e["delta"] for e in replayed if e["type"] == "response.output_text.delta")
+    assert text and polled["output"][0]["content"][0]["text"] == text
+
+
 def test_a_task_running_at_a_normal_shutdown_ends_cancelled(start_server, tiny_model_dir, tmp_path):
     args = ("--model", str(tiny_model_dir), "--model-id", "tiny", "--store", str(tmp_path / "store.sqlite3"))
     server = start_server(*args)

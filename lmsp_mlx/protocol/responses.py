@@ -187,7 +187,7 @@ def v1_response(resp: ResponseObject, request: Any, completed_at: int | None) ->
         "service_tier": "default",
         "prompt_cache_key": request.prompt_cache_key,
         "safety_identifier": request.safety_identifier,
-        "background": bool(request.background) and not request.stream,
+        "background": bool(request.background),
         "user": request.user,
     }
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from typing import AsyncIterator
 
 from quart import Blueprint, request, websocket
 
@@ -18,9 +19,8 @@ from ..protocol.responses import (CustomToolCallOutput, MessageOutput, Reasoning
                                   v1_item, v1_response)
 from .auth import owner, requires
 from .items import ItemEvent
-from .lmsp import stream_lmsp
 from .run import ResponseRun, compact, new_run, start_run, stored_response
-from .sse import OpenResponsesEvents, V1Event, sse_response
+from .sse import OpenResponsesEvents, SseEvent, V1Event, sse_response
 from .state import decode_json, read_json, state
 
 bp = Blueprint("openai", __name__, url_prefix="/v1")
@@ -52,13 +52,14 @@ async def create_response():
     req = parse_request(body)
     if isinstance(body, dict) and body.get("store") is None:
         req = req.model_copy(update={"store": True})  # OpenAI's default, which its clients rely on
-    background = req.background and not req.stream  # a background stream is served as a plain one
-    if background and not req.store:
+    if req.background and not req.store:
         raise Problem("invalid_request", "a background response must be stored (store: true) to be polled",
                       param="store")
     run = await start_run("v1", req)
-    if background:  # a task: GET /v1/responses/{id} polls it, POST .../cancel stops it
-        task = state().tasks.start(owner(), run, stream_lmsp(run))
+    if req.background:  # a task: GET /v1/responses/{id} polls it (or streams it again), .../cancel stops it
+        task = state().tasks.start(owner(), run, _logged(stream_v1(run)), framing="v1")
+        if req.stream:  # leaving this stream leaves the task running
+            return sse_response(_framed(task.follow(0)))
         return {**v1_response(run.response(), run.req, None), "status": task.status}
     if not run.req.stream:
         return v1_response(await run.run_to_end(), run.req, run.completed_at)
@@ -109,8 +110,7 @@ async def compact_response():
 @requires("responses:read")
 async def get_response(response_id: str):
     if request.args.get("stream", "false").lower() in ("true", "1"):
-        raise Problem("unsupported_capability", "a stored response is not streamed again here: GET it without "
-                      "stream, or follow a task's events at /lmsp/v1/tasks/{id}/events", param="stream")
+        return await _stream_again(response_id)
     stored = await stored_response(response_id)
     req = parse_request(stored.request)
     out = v1_response(ResponseObject.model_validate(stored.response), req, stored.completed_at)
@@ -118,6 +118,40 @@ async def get_response(response_id: str):
     if out["status"] == "in_progress" and running is not None and running[1].waiting:
         out["status"] = "queued"  # OpenAI's status for a background response not started yet
     return out
+
+
+async def _stream_again(response_id: str):
+    """A background response's events from the start, or after `starting_after` (a
+    sequence number): the live ones follow while it runs. Resumes a stream the client lost."""
+    raw = request.args.get("starting_after", "-1")
+    try:
+        after = int(raw)
+    except ValueError:
+        after = -2
+    if after < -1:
+        raise Problem("invalid_request", f"starting_after must be a sequence number, got {raw!r}",
+                      param="starting_after")
+    s, who = state(), owner()
+    record = await asyncio.to_thread(s.tasks.log.of_response, who, response_id)
+    if record is None or record.framing != "v1":
+        await stored_response(response_id)  # 404 unless stored
+        raise Problem("invalid_request", "only a response created with background: true on /v1 can be streamed "
+                      "again; GET it without stream", param="stream")
+    events = await s.tasks.events(who, record.id, after + 1)  # the SSE id of sequence number n is n + 1
+    return sse_response(_framed(events))
+
+
+async def _logged(events: AsyncIterator[V1Event | str]) -> AsyncIterator[SseEvent]:
+    """A /v1 stream as a task's event log keeps it: event n (from 1) is sequence number n - 1."""
+    async for e in events:
+        if isinstance(e, V1Event):
+            yield SseEvent(e.data["sequence_number"] + 1, e.data["type"], e.data)
+
+
+async def _framed(events: AsyncIterator[SseEvent]) -> AsyncIterator[V1Event | str]:
+    async for e in events:
+        yield V1Event(e.data)
+    yield OpenResponsesEvents.DONE
 
 
 @bp.delete("/responses/<response_id>")
@@ -208,6 +242,11 @@ async def stream_v1(run: ResponseRun):
         async for e in run.events():
             for name, fields in v1_item_events(e):
                 yield event(name, **fields)
+        if run.status == "cancelled" and run.req.background:  # POST .../cancel, or a shutdown
+            # Open Responses has no cancelled event: its final failure event, with the status that says why
+            yield event("response.failed", response=snapshot())
+            yield OpenResponsesEvents.DONE
+            return
         if run.status == "cancelled":  # only a shutdown cancels a run someone still reads
             yield event("error", code="cancelled", message="the server is shutting down", param=None)
             yield OpenResponsesEvents.DONE

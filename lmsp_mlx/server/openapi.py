@@ -83,6 +83,13 @@ def _operation(app: Quart, endpoint: str, method: str, path: str) -> dict[str, A
              "description": "replay the events after this id (wins over Last-Event-ID)"},
             {"name": "Last-Event-ID", "in": "header", "required": False, "schema": {"type": "integer", "minimum": 0},
              "description": "the last event id the client saw (SSE reconnect)"}]
+    if method == "get" and path == "/v1/responses/{response_id}":
+        op["parameters"] += [
+            {"name": "stream", "in": "query", "required": False, "schema": {"type": "boolean"},
+             "description": "a background response's events instead, live while it runs"},
+            {"name": "starting_after", "in": "query", "required": False, "schema": {"type": "integer", "minimum": -1},
+             "description": "with stream: the events after this sequence number"}]
+        op["responses"]["200"]["content"].update(_SSE)
     return op
 
 
@@ -118,7 +125,6 @@ def _answers(method: str, path: str) -> dict[str, Any]:
     if method == "get" and path.endswith("/responses/{response_id}"):
         return {"200": _json("the stored response", "ResponseObject")}
     return {"200": {"description": "OK"}}
-    return op
 
 
 def openapi_document(app: Quart) -> dict[str, Any]:

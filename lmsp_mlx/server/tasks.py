@@ -21,6 +21,8 @@ from typing import AsyncIterator
 
 from ..protocol.ids import new_id
 from ..protocol.problems import Problem
+from ..protocol.requests import ResponsesRequest, parse_request
+from ..protocol.responses import ResponseObject, v1_response
 from ..store import IdempotencyKeys, StoredEvent, StoredResponses, TaskLog, TaskRecord
 from ..store.keys import body_hash
 from .run import ResponseRun
@@ -39,12 +41,18 @@ def _stored(e: SseEvent) -> StoredEvent:
 
 def output_of(events: list[StoredEvent]) -> list[dict]:
     """The output items a task's stored events had streamed: what a client following them
-    saw, for the final response of a task the last process left unfinished."""
+    saw, for the final response of a task the last process left unfinished. Read from
+    either framing: /v1's items carry more fields, and a call's `namespace` apart."""
     items: dict[int, dict] = {}
     for e in events:
         i = e.data.get("output_index")
         if e.event in ("response.output_item.added", "response.output_item.done"):
-            items[i] = e.data["item"]
+            item = dict(e.data["item"])
+            if "namespace" in item:
+                item["name"] = f"{item.pop('namespace')}.{item['name']}"
+            items[i] = item
+        elif e.event == "response.custom_tool_call_input.delta" and i in items:
+            items[i]["input"] = items[i].get("input", "") + e.data["delta"]
         elif e.event == "response.output_text.delta" and i in items:
             parts = items[i].setdefault("content", [])
             parts[:] = [{"type": "output_text", "text": (parts[0]["text"] if parts else "") + e.data["delta"]}]
@@ -56,11 +64,25 @@ def output_of(events: list[StoredEvent]) -> list[dict]:
     return [items[i] for i in sorted(items)]
 
 
+def failed_event(framing: str, n: int, response: ResponseObject, request: ResponsesRequest) -> SseEvent:
+    """Event `n`, the final one of a task that failed outside its run (a bug, a restart),
+    in the shape its followers read: LMSP's, or Open Responses' with the whole response."""
+    if framing == "v1":
+        return SseEvent(n, "response.failed", {"type": "response.failed", "sequence_number": n - 1,
+                                               "response": v1_response(response, request, None)})
+    return SseEvent(n, "response.failed", {"type": "response.failed", "sequence_number": n,
+                                           "response_id": response.id, "status": "failed", "error": response.error})
+
+
 class LiveTask:
-    def __init__(self, task_id: str, owner: str, run: ResponseRun, log_: TaskLog) -> None:
+    """`framing`: "lmsp" for a task's section 6.3 events; "v1" for a /v1 background
+    response's Open Responses events, whose `sequence_number` is the id - 1."""
+
+    def __init__(self, task_id: str, owner: str, run: ResponseRun, log_: TaskLog, framing: str = "lmsp") -> None:
         self.id = task_id
         self.owner = owner
         self.run = run
+        self.framing = framing
         self.created_at = time.time()
         self.events: list[SseEvent] = []
         self.done = False
@@ -90,10 +112,8 @@ class LiveTask:
             log.exception("task %s failed", self.id)
             self.run.status = "failed"
             self.run.error = Problem("internal_error", "the task failed inside the service").document()
-            n = len(self.events) + 1  # followers still get exactly one final event
-            final = SseEvent(n, "response.failed", {"type": "response.failed", "sequence_number": n,
-                                                     "response_id": self.run.id, "status": "failed", "error": self.run.error})
-            self.events.append(final)
+            final = failed_event(self.framing, len(self.events) + 1, self.run.response(), self.run.req)
+            self.events.append(final)  # followers still get exactly one final event
             pending.append(_stored(final))
         response = self.run.response().model_dump(mode="json")
         try:
@@ -147,10 +167,10 @@ class Tasks:
         self._drivers: set[asyncio.Task] = set()
         self._key_locks: dict[tuple[str, str], list] = {}  # (owner, key) -> [lock, users]
 
-    def start(self, owner: str, run: ResponseRun, stream: AsyncIterator[SseEvent]) -> LiveTask:
+    def start(self, owner: str, run: ResponseRun, stream: AsyncIterator[SseEvent], framing: str = "lmsp") -> LiveTask:
         """Record a task for an already queued run and drive it in the background."""
-        task = LiveTask(new_id("task"), owner, run, self.log)
-        self.log.create(task.id, owner, run.id, run.stored_request())
+        task = LiveTask(new_id("task"), owner, run, self.log, framing)
+        self.log.create(task.id, owner, run.id, run.stored_request(), framing)
         self.live[task.id] = task
         driver = asyncio.create_task(task.drive(stream), name=task.id)
         self._drivers.add(driver)
@@ -223,11 +243,9 @@ class Tasks:
             response = {"id": r.response_id, "object": "response", "created_at": int(r.created_at),
                         "status": "failed", "model": r.request.get("model"), "output": output,
                         "usage": None, "error": error, "incomplete_details": None}
-            final = StoredEvent(r.last_event_id + 1, "response.failed", {
-                "type": "response.failed", "sequence_number": r.last_event_id + 1, "response_id": r.response_id,
-                "status": "failed", "error": error,
-            })
-            self.log.append(r.id, [final], "failed", response)
+            final = failed_event(r.framing, r.last_event_id + 1, ResponseObject.model_validate(response),
+                                 parse_request(r.request))
+            self.log.append(r.id, [_stored(final)], "failed", response)
             if r.request.get("store"):
                 responses.put(r.owner, r.request, response, int(time.time()))
         if records:

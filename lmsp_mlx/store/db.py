@@ -16,7 +16,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: tasks.framing (/v1 background responses keep Open Responses events)
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS responses (
@@ -40,9 +40,11 @@ CREATE TABLE IF NOT EXISTS tasks (
     last_event_id INTEGER NOT NULL DEFAULT 0,
     events_expired INTEGER NOT NULL DEFAULT 0,
     request TEXT NOT NULL,
-    response TEXT                 -- the final response object once it ended, JSON
+    response TEXT,                -- the final response object once it ended, JSON
+    framing TEXT NOT NULL DEFAULT 'lmsp'  -- its events' shape: 'lmsp' (section 6.3) or 'v1' (Open Responses)
 );
 CREATE INDEX IF NOT EXISTS tasks_status ON tasks(status);
+CREATE INDEX IF NOT EXISTS tasks_response ON tasks(response_id);
 
 CREATE TABLE IF NOT EXISTS task_events (
     task_id TEXT NOT NULL,
@@ -67,6 +69,12 @@ class StoreError(RuntimeError):
     """The store file cannot be opened or is not one of ours."""
 
 
+def _migrate(conn: sqlite3.Connection) -> None:
+    """Bring a file of an older schema up to this one (CREATE ... IF NOT EXISTS left its tables as they were)."""
+    if "framing" not in {row[1] for row in conn.execute("PRAGMA table_info(tasks)")}:  # schema 1
+        conn.execute("ALTER TABLE tasks ADD COLUMN framing TEXT NOT NULL DEFAULT 'lmsp'")
+
+
 class Database:
     def __init__(self, path: Path) -> None:
         self.path = path
@@ -82,6 +90,7 @@ class Database:
             if version > SCHEMA_VERSION:
                 raise StoreError(f"{path} was written by a newer lmsp-mlx (schema {version}, this one knows {SCHEMA_VERSION})")
             self._conn.executescript(SCHEMA)
+            _migrate(self._conn)
             self._conn.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
         except sqlite3.Error as exc:
             raise StoreError(f"cannot open the store {path}: {exc}") from None

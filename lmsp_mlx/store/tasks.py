@@ -29,6 +29,7 @@ class TaskRecord:
     events_expired: bool
     response: dict[str, Any] | None
     request: dict[str, Any]
+    framing: str = "lmsp"  # its events' shape: "lmsp" (section 6.3) or "v1" (a /v1 background response's)
 
 
 @dataclass(frozen=True)
@@ -38,26 +39,35 @@ class StoredEvent:
     data: dict[str, Any]
 
 
-_COLUMNS = "id, owner, status, response_id, created_at, ended_at, last_event_id, events_expired, response, request"
+_COLUMNS = ("id, owner, status, response_id, created_at, ended_at, last_event_id, events_expired, response, request,"
+            " framing")
 
 
 def _record(row) -> TaskRecord:
-    return TaskRecord(*row[:7], bool(row[7]), json.loads(row[8]) if row[8] else None, json.loads(row[9]))
+    return TaskRecord(*row[:7], bool(row[7]), json.loads(row[8]) if row[8] else None, json.loads(row[9]), row[10])
 
 
 class TaskLog:
     def __init__(self, db: Database) -> None:
         self.db = db
 
-    def create(self, task_id: str, owner: str, response_id: str, request: dict[str, Any]) -> None:
+    def create(self, task_id: str, owner: str, response_id: str, request: dict[str, Any],
+               framing: str = "lmsp") -> None:
         with self.db.transaction() as c:
             c.execute(
-                "INSERT INTO tasks (id, owner, status, response_id, created_at, request) VALUES (?, ?, 'queued', ?, ?, ?)",
-                (task_id, owner, response_id, now(), json.dumps(request, ensure_ascii=False)),
+                "INSERT INTO tasks (id, owner, status, response_id, created_at, request, framing)"
+                " VALUES (?, ?, 'queued', ?, ?, ?, ?)",
+                (task_id, owner, response_id, now(), json.dumps(request, ensure_ascii=False), framing),
             )
 
     def get(self, owner: str, task_id: str) -> TaskRecord | None:
         rows = self.db.query(f"SELECT {_COLUMNS} FROM tasks WHERE id = ? AND owner = ?", (task_id, owner))
+        return _record(rows[0]) if rows else None
+
+    def of_response(self, owner: str, response_id: str) -> TaskRecord | None:
+        """The task that ran a response, if one did (a /v1 background response, an LMSP task)."""
+        rows = self.db.query(f"SELECT {_COLUMNS} FROM tasks WHERE response_id = ? AND owner = ?"
+                             " ORDER BY created_at DESC LIMIT 1", (response_id, owner))
         return _record(rows[0]) if rows else None
 
     def append(self, task_id: str, events: Iterable[StoredEvent], status: str | None = None,
