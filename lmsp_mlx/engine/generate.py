@@ -8,6 +8,7 @@ detection, UTF-8-safe text pieces and timings.
 from __future__ import annotations
 
 import logging
+from contextlib import closing
 from dataclasses import dataclass
 from time import perf_counter
 from typing import Any, Callable, Iterator
@@ -37,6 +38,27 @@ class Cancelled(Exception):
         self.decode_tps = decode_tps
 
 
+@dataclass(frozen=True)
+class Penalties:
+    """What OpenAI's sampling settings add to the logits: `bias` per token id (logit_bias),
+    and presence and frequency penalties, by which a token's logit falls once the reply
+    holds it and for each time it does."""
+
+    presence: float = 0.0
+    frequency: float = 0.0
+    bias: tuple[tuple[int, float], ...] = ()
+
+    def apply(self, reply: mx.array, logits: mx.array) -> mx.array:
+        shift = mx.zeros((logits.shape[-1],), dtype=mx.float32)
+        if self.bias:  # ids were checked against the vocabulary (server/run.py)
+            ids, values = zip(*self.bias)
+            shift = shift.at[mx.array(ids)].add(mx.array(values))
+        if self.presence or self.frequency:
+            counts = mx.zeros_like(shift).at[reply].add(1.0)
+            shift = shift - self.frequency * counts - self.presence * (counts > 0)
+        return logits + shift.astype(logits.dtype)
+
+
 @dataclass
 class GenerationParams:
     prompt: list[int]  # everything the KV holds before decoding, the cached part included
@@ -48,6 +70,8 @@ class GenerationParams:
     constraint: Any = None  # constrain.Constraint: a grammar the output must follow
     one_call: bool = False  # parallel_tool_calls false: the turn ends with its first tool call
     stop: tuple[str, ...] = ()  # Chat's stop sequences: the turn ends on the token that completes one
+    penalties: Penalties | None = None
+    seed: int | None = None  # sampling repeats for the same seed, prompt and settings
 
 
 def prefill(lm: LoadedModel, tokens: list[int], cache: list, step: int, check: Callable[[int, int], None]) -> None:
@@ -101,7 +125,8 @@ def last_logits(lm: LoadedModel, tokens: list[int], cache: list) -> mx.array:
         outer.model = body
 
 
-def sample_tokens(lm: LoadedModel, tail: list[int], cache: list, sampler, max_tokens: int, constraint=None) -> Iterator[int]:
+def sample_tokens(lm: LoadedModel, tail: list[int], cache: list, sampler, max_tokens: int, constraint=None,
+                  penalties: Penalties | None = None, seed: int | None = None) -> Iterator[int]:
     """Tokens after the prefilled cache, starting with the prompt's unprefilled `tail`.
 
     The first two are sampled synchronously: generate_step computes a step ahead before it
@@ -109,23 +134,36 @@ def sample_tokens(lm: LoadedModel, tail: list[int], cache: list, sampler, max_to
     and its second after about 1.7. A reasoning reply's first visible event (its first
     reasoning text) needs the second token. The rest come from generate_step's pipelined
     loop."""
-    inputs, produced, token = tail, 0, None
-    while produced < min(max_tokens, 2):
-        logits = last_logits(lm, inputs, cache)
-        if constraint is not None:
-            logits = constraint.apply(logits)
-        sampled = sampler(logits - mx.logsumexp(logits, keepdims=True))
-        token = sampled.item()
-        if constraint is not None:
-            constraint.consume(token)
-        produced += 1
-        inputs = [token]
-        yield token
-    if max_tokens > produced:
-        processors = [constraint] if constraint is not None else None
-        for t, _ in generate_step(mx.array([token]), lm.model, prompt_cache=cache, sampler=sampler,
-                                  max_tokens=max_tokens - produced, logits_processors=processors):
-            yield t
+    key = None
+    if seed is not None:  # the worker samples one reply at a time: the global key is this reply's alone
+        key = mx.random.state[0].tolist()  # as it was: mx.random.key(s) is [s >> 32, s & 0xffffffff]
+        mx.random.seed(seed % 2**64)
+    try:
+        inputs, reply = tail, []
+        while len(reply) < min(max_tokens, 2):
+            logits = last_logits(lm, inputs, cache)
+            if constraint is not None:
+                logits = constraint.apply(logits)
+            if penalties is not None:
+                logits = penalties.apply(mx.array(reply, dtype=mx.int32), logits)
+            sampled = sampler(logits - mx.logsumexp(logits, keepdims=True))
+            token = sampled.item()
+            if constraint is not None:
+                constraint.consume(token)
+            reply.append(token)
+            inputs = [token]
+            yield token
+        if max_tokens > len(reply):
+            processors = [constraint] if constraint is not None else []
+            if penalties is not None:  # generate_step's tokens start at its input, the last token above
+                head = mx.array(reply[:-1], dtype=mx.int32)
+                processors.append(lambda tokens, logits: penalties.apply(mx.concatenate([head, tokens]), logits))
+            for t, _ in generate_step(mx.array([token]), lm.model, prompt_cache=cache, sampler=sampler,
+                                      max_tokens=max_tokens - len(reply), logits_processors=processors or None):
+                yield t
+    finally:
+        if key is not None:  # unseeded replies after it stay unpredictable (the state is not assignable)
+            mx.random.seed(key[0] << 32 | key[1])
 
 
 def generate(
@@ -172,26 +210,29 @@ def generate(
     reason = "length"
     produced = 0
     reply: list[int] = []
-    for token in sample_tokens(lm, params.prompt[-tail:], cache, sampler, params.max_tokens, params.constraint):
-        sampled.append(token)
-        reply.append(token)
-        if first is None:
-            first = perf_counter()
-        if token in lm.eos_token_ids:
-            reason = "stop"
-            break
-        produced += 1
-        detokenizer.add_token(token)
-        if piece := detokenizer.last_segment:
-            emit(TextDelta(piece))
-        if cancelled():
-            now = perf_counter()
-            raise Cancelled(prefilled=len(params.prompt), produced=produced,
-                            prefill_tps=(len(params.prompt) - params.cached) / max(first - start, 1e-9),
-                            decode_tps=(produced - 1) / (now - first) if produced > 1 and now > first else 0.0)
-        if whole():
-            reason = "complete"
-            break
+    tokens = sample_tokens(lm, params.prompt[-tail:], cache, sampler, params.max_tokens, params.constraint,
+                           params.penalties, params.seed)
+    with closing(tokens):  # a seeded reply gives the random key back before anything else samples
+        for token in tokens:
+            sampled.append(token)
+            reply.append(token)
+            if first is None:
+                first = perf_counter()
+            if token in lm.eos_token_ids:
+                reason = "stop"
+                break
+            produced += 1
+            detokenizer.add_token(token)
+            if piece := detokenizer.last_segment:
+                emit(TextDelta(piece))
+            if cancelled():
+                now = perf_counter()
+                raise Cancelled(prefilled=len(params.prompt), produced=produced,
+                                prefill_tps=(len(params.prompt) - params.cached) / max(first - start, 1e-9),
+                                decode_tps=(produced - 1) / (now - first) if produced > 1 and now > first else 0.0)
+            if whole():
+                reason = "complete"
+                break
     detokenizer.finalize()
     if piece := detokenizer.last_segment:
         emit(TextDelta(piece))

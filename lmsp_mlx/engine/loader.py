@@ -40,6 +40,11 @@ class LoadedModel:
     fingerprint: str = ""  # what KV checkpoints are tied to: weights, config, runtime dtype
     kv_cache: str = "float"  # or "<bits>-bit, group <n>" under --kv-bits
 
+    @property
+    def vocab_size(self) -> int | None:
+        """The model's embedding rows (its logits' width): every token id is below it."""
+        return getattr(getattr(self.model, "args", None), "vocab_size", None)
+
     def describe(self) -> dict[str, Any]:
         doc = {
             "id": self.id,

@@ -225,7 +225,7 @@ class Engine:
         disk = None
         if cs.disk_dir is not None:
             try:
-                vocab = getattr(getattr(lm.model, "args", None), "vocab_size", None) or 2**31  # embedding rows
+                vocab = lm.vocab_size or 2**31
                 disk = CheckpointStore(cs.disk_dir, fingerprint, cs.disk_bytes, calls=self.calls, vocab_size=vocab)
             except OSError as exc:
                 log.warning("kv disk %s unusable (%s): checkpoints are off", cs.disk_dir, exc)

@@ -17,7 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from .ids import new_id
 from .problems import Problem
-from .requests import (Penalty, ResponsesRequest, Temperature, TopP, json_object, parse_request,
+from .requests import (LogitBias, Penalty, ResponsesRequest, Seed, Temperature, TopP, json_object, parse_request,
                        validation_problem)
 from .responses import ResponseObject
 
@@ -97,9 +97,10 @@ class ChatRequest(_Chat):
     response_format: dict[str, Any] | None = None
     logprobs: bool | None = None
     parallel_tool_calls: bool | None = None
-    # Accepted and without effect here, but held to OpenAI's range so a typo is not silent.
     presence_penalty: Penalty | None = None
     frequency_penalty: Penalty | None = None
+    seed: Seed | None = None  # the same seed, prompt and settings sample the same reply
+    logit_bias: LogitBias | None = None
     # The API's first form of tools, replaced by `tools` / `tool_choice`; refused, not ignored.
     functions: list[Any] | None = None
     function_call: Any = None
@@ -167,6 +168,8 @@ def to_responses(req: ChatRequest) -> tuple[ResponsesRequest, list[int]]:
         "model": req.model, "input": items, "tools": tools or None, "tool_choice": _tool_choice(req.tool_choice),
         "max_output_tokens": req.max_completion_tokens or req.max_tokens,
         "temperature": req.temperature, "top_p": req.top_p, "response_format": _format(req.response_format),
+        "presence_penalty": req.presence_penalty, "frequency_penalty": req.frequency_penalty, "seed": req.seed,
+        "logit_bias": req.logit_bias,
         "parallel_tool_calls": req.parallel_tool_calls,
     }
     return parse_request(body), origin

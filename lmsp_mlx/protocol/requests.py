@@ -244,7 +244,12 @@ def _json_number(value: Any) -> Any:
 
 Temperature = Annotated[float, BeforeValidator(_json_number), Field(ge=0, le=2)]
 TopP = Annotated[float, BeforeValidator(_json_number), Field(ge=0, le=1)]  # 0: only the likeliest token
-Penalty = Annotated[float, BeforeValidator(_json_number), Field(ge=-2, le=2)]  # Chat's; no effect here
+Penalty = Annotated[float, BeforeValidator(_json_number), Field(ge=-2, le=2)]
+Seed = Annotated[int, Field(ge=-(2**63), le=2**63 - 1)]  # OpenAI's: a 64-bit integer
+# Chat's logit_bias: token ids (as JSON keys) to what is added to their logits.
+LogitBias = Annotated[dict[Annotated[str, Field(pattern=r"^[0-9]{1,10}$")],
+                           Annotated[float, BeforeValidator(_json_number), Field(ge=-100, le=100)]],
+                      Field(max_length=1024)]
 
 
 class ReasoningSettings(_Strict):
@@ -264,6 +269,11 @@ class ResponsesRequest(_Strict):
     max_output_tokens: Annotated[int, Field(ge=1)] | None = None
     temperature: Temperature | None = None
     top_p: TopP | None = None
+    # OpenAI's sampling settings beyond these (Chat's, and echoed by /v1's response object).
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
+    seed: Seed | None = None
+    logit_bias: LogitBias | None = None
     response_format: TextFormat | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: Union[Literal["auto", "none", "required"], dict[str, Any]] | None = None

@@ -16,7 +16,7 @@ from pydantic import TypeAdapter
 from quart import g
 
 from ..engine.events import Failed, Finished
-from ..engine.generate import GenerationParams
+from ..engine.generate import GenerationParams, Penalties
 from ..engine.constrain import Constraint, GrammarError
 from ..engine.grammar import ReplySpec, full_grammar
 from ..engine.output import OutputFormat
@@ -173,10 +173,22 @@ class ResponseRun:
             constraint=constraint,
             one_call=self.req.parallel_tool_calls is False,
             stop=self.stop,
+            penalties=self._penalties(lm.vocab_size),
+            seed=self.req.seed,
         )
         self.job = self.engine.submit(params, self.route, text=prompt.text, conv=conv, visible=visible,
                                       keep_history=self.compacted)
         self._pump = asyncio.get_running_loop().create_task(self._fold_all(), name=self.id)
+
+    def _penalties(self, vocab: int | None) -> Penalties | None:
+        bias = tuple((int(k), v) for k, v in (self.req.logit_bias or {}).items() if v)
+        if bias and (vocab is None or any(t >= vocab for t, _ in bias)):
+            raise Problem("invalid_request", "logit_bias names a token id outside the vocabulary"
+                          + (f" (0..{vocab - 1})" if vocab else " (this model does not state its size)"),
+                          param="logit_bias")
+        if not (bias or self.req.presence_penalty or self.req.frequency_penalty):
+            return None
+        return Penalties(self.req.presence_penalty or 0.0, self.req.frequency_penalty or 0.0, bias)
 
     async def _render(self, items: list[InputItem], head: str):
         """The conversation of `items`, its reply constraint, its prompt and visible text."""
