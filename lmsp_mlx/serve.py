@@ -7,6 +7,7 @@ import asyncio
 import ipaddress
 import logging
 import math
+import re
 import os
 import signal
 import socket
@@ -44,6 +45,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-body-mb", type=float, default=16.0, help="largest request body in MiB (default 16)")
     p.add_argument("--sse-keepalive", type=float, default=15.0,
                    help="seconds without an event before a stream sends a comment line that keeps it open (default 15)")
+    p.add_argument("--cors-origin", action="append", type=_origin, default=[], metavar="ORIGIN",
+                   help="a web page origin (https://ui.example:8443, or * for any) that may call this server from "
+                        "a browser, besides loopback pages; repeatable")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
                    help="default info: one line per request")
     st = p.add_argument_group("stored responses and tasks")
@@ -98,6 +102,13 @@ def _duration(text: str) -> float:
     if value <= 0:
         raise argparse.ArgumentTypeError("a duration must be positive")
     return value
+
+
+def _origin(text: str) -> str:
+    origin = text.strip().rstrip("/")
+    if origin not in ("*", "null") and not re.fullmatch(r"[a-zA-Z][a-zA-Z0-9+.-]*://[^/\s?#]+", origin):
+        raise argparse.ArgumentTypeError(f"{text!r} is not an origin (like https://ui.example:8443, or *)")
+    return origin
 
 
 def _is_loopback(host: str) -> bool:
@@ -229,7 +240,7 @@ def main(argv: list[str] | None = None) -> int:
     prefill = args.prefill_chunk or (256 if lm.backend == "cpu" else 2048)
     settings = ServerSettings(prefill_step=prefill, max_body_bytes=int(args.max_body_mb * 1024 * 1024),
                               store_retention=args.store_retention, event_retention=args.event_retention,
-                              sse_keepalive=args.sse_keepalive)
+                              sse_keepalive=args.sse_keepalive, cors_origins=tuple(args.cors_origin))
     log.info("store: %s", db.path)
     app = create_app(engine, settings, tokens, db, state_key)
     try:

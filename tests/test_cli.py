@@ -70,7 +70,8 @@ def test_corrupt_weights(tmp_path, tiny_model_dir):
      (["--port", "70000"], "--port"), (["--ctx", "0"], "--ctx"),
      # nan would turn retention off without a word
      (["--store-retention", "nan"], "--store-retention"), (["--event-retention", "inf"], "--event-retention"),
-     (["--kv-group-size", "32"], "--kv-bits"), (["--sse-keepalive", "nan"], "--sse-keepalive")],
+     (["--kv-group-size", "32"], "--kv-bits"), (["--sse-keepalive", "nan"], "--sse-keepalive"),
+     (["--cors-origin", "ui.example/app"], "--cors-origin")],
 )
 def test_bad_flag_values(flags, name):
     done = serve(*flags)

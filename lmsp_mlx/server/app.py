@@ -1,4 +1,4 @@
-"""The Quart application: auth, LMSP-Version, problem documents, and the route blueprints."""
+"""The Quart application: auth, web origins, LMSP-Version, problem documents, and the route blueprints."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from ..protocol.problems import Problem
 from ..store import Database, IdempotencyKeys, StoredResponses, TaskLog
 from . import chat, lmsp, openai
 from .auth import Tokens, authorize, requires
+from .origins import Origins
 from .sealing import Sealer
 from .state import ServerSettings, ServerState
 from .tasks import Tasks
@@ -111,9 +112,14 @@ def create_app(engine: Engine, settings: ServerSettings, tokens: Tokens, db: Dat
         ]
         return Response("\n".join(lines) + "\n", mimetype="text/plain; version=0.0.4")
 
+    origins = Origins(settings.cors_origins, enforce=not tokens.required)
+
     @app.before_request
     async def check_auth_and_version():
         g.arrived = time.perf_counter()
+        if (answer := origins.preflight(request.method, request.headers)) is not None:
+            return answer  # before auth: a browser's preflight carries no token
+        origins.check(request.headers.get("Origin"))
         authorize(tokens, app.view_functions.get(request.endpoint), request.method, request.path, request.headers)
         # Repeated headers (or one with a comma list) must all say 1.0: a proxy that added a
         # second value does not get to pick the one this service reads.
@@ -128,6 +134,7 @@ def create_app(engine: Engine, settings: ServerSettings, tokens: Tokens, db: Dat
     @app.before_websocket
     async def check_websocket_auth():
         try:
+            origins.check(websocket.headers.get("Origin"))  # a page reads a WebSocket's replies without CORS
             authorize(tokens, app.view_functions.get(websocket.endpoint), "WEBSOCKET", websocket.path, websocket.headers)
         except Problem as problem:  # returned, not raised: Quart sends it as the handshake's reply
             return problem_response(problem)
@@ -135,6 +142,7 @@ def create_app(engine: Engine, settings: ServerSettings, tokens: Tokens, db: Dat
     @app.after_request
     async def version_header(resp: Response) -> Response:
         resp.headers["LMSP-Version"] = LMSP_VERSION
+        origins.decorate(resp, request.headers.get("Origin"))
         statuses = app.extensions["lmsp_mlx"].http_statuses
         statuses[resp.status_code] = statuses.get(resp.status_code, 0) + 1
         # One line per request: a generation's is the worker's (tokens, rates, status), an

@@ -25,6 +25,7 @@ class ServerSettings:
     store_retention: float = 30 * 86400.0  # seconds a stored response or task is kept
     event_retention: float = 3600.0  # seconds a task's events stay replayable after it ended
     sse_keepalive: float = 15.0  # seconds of silence on an event stream before a comment line keeps it open
+    cors_origins: tuple[str, ...] = ()  # web pages besides loopback ones that may call it (server/origins.py)
 
 
 @dataclass
