@@ -146,7 +146,8 @@ def test_the_openapi_document_lists_every_route(client, tiny_server):
                          ("/lmsp/v1/tasks", "post"), ("/lmsp/v1/tasks/{task_id}", "get"),
                          ("/lmsp/v1/tasks/{task_id}/events", "get"), ("/lmsp/v1/tasks/{task_id}/cancel", "post"),
                          ("/lmsp/v1/models", "get"), ("/lmsp/v1/openapi.json", "get"), ("/v1/responses", "post"),
-                         ("/v1/chat/completions", "post"), ("/v1/models", "get"), ("/healthz", "get"), ("/metrics", "get")]:
+                         ("/v1/chat/completions", "post"), ("/v1/completions", "post"), ("/v1/models", "get"),
+                         ("/healthz", "get"), ("/metrics", "get")]:
         assert method in doc["paths"][path], path
     create = doc["paths"]["/lmsp/v1/responses"]["post"]
     assert create["security"] == [{"bearer": ["responses:write"]}]
@@ -165,7 +166,8 @@ def test_the_openapi_document_lists_every_route(client, tiny_server):
     assert {p["name"] for p in resume["parameters"]} == {"response_id", "stream", "starting_after"}
     assert set(resume["responses"]["200"]["content"]) == {"application/json", "text/event-stream"}
     schemas = doc["components"]["schemas"]
-    assert {"ResponsesRequest", "ResponseObject", "Problem", "TaskCreate", "Task", "ChatRequest"} <= set(schemas)
+    assert {"ResponsesRequest", "ResponseObject", "Problem", "TaskCreate", "Task", "ChatRequest",
+            "CompletionRequest"} <= set(schemas)
     # Every reference resolves inside the document.
     import json
     import re

@@ -72,6 +72,7 @@ class GenerationParams:
     stop: tuple[str, ...] = ()  # Chat's stop sequences: the turn ends on the token that completes one
     penalties: Penalties | None = None
     seed: int | None = None  # sampling repeats for the same seed, prompt and settings
+    raw: bool = False  # a text completion: the sampled text as it is, no reasoning or calls read out of it
 
 
 def prefill(lm: LoadedModel, tokens: list[int], cache: list, step: int, check: Callable[[int, int], None]) -> None:

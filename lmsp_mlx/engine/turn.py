@@ -4,7 +4,7 @@ and what the turn leaves behind for the next one (remembered calls, visible tran
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 from ..cache.calls import LOCAL_OWNER, CallMemory, CallTurn
@@ -96,12 +96,16 @@ class TurnOutput:
     """Feeds the sampled text through the parser and re-emits protocol-level events."""
 
     def __init__(self, tokenizer, conv: Conversation, prompt_text: str, emit: Callable[[GenerationEvent], None],
-                 sampled: list[int] | None = None, one_call: bool = False, stop: tuple[str, ...] = ()):
+                 sampled: list[int] | None = None, one_call: bool = False, stop: tuple[str, ...] = (),
+                 raw: bool = False):
         """`sampled`: the reply's tokens as they are sampled, to count the reasoning's.
         `one_call` (parallel_tool_calls false): calls after the first are not the reply's
         (formats that parse calls only at the turn's end, or several from one block).
-        `stop`: Chat's stop sequences; `stopped` once the reply's text holds one."""
+        `stop`: Chat's stop sequences; `stopped` once the reply's text holds one.
+        `raw`: a text completion, all of it text (think tags and call markup included)."""
         fmt = OutputFormat.of(tokenizer)
+        if raw:
+            fmt = replace(fmt, think=None)
         tools = {t.name: t for t in conv.tools if conv.callable is None or t.name in conv.callable} or None
         opens = fmt.opens_in_reasoning(prompt_text)
         self.parser = OutputParser(fmt, tools, state="reasoning" if opens else "text")

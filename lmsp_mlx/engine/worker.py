@@ -264,7 +264,7 @@ class Engine:
         conv = job.conv or Conversation(items=[])
         sampled: list[int] = []
         turn = TurnOutput(lm.tokenizer, conv, job.text, job.emit, sampled, one_call=job.params.one_call,
-                          stop=job.params.stop)
+                          stop=job.params.stop, raw=job.params.raw)
 
         def emit(event: GenerationEvent) -> None:
             if isinstance(event, TextDelta):

@@ -15,7 +15,7 @@ from .. import LMSP_VERSION
 from ..engine.worker import Engine
 from ..protocol.problems import Problem
 from ..store import Database, IdempotencyKeys, StoredResponses, TaskLog
-from . import chat, lmsp, openai
+from . import chat, completions, lmsp, openai
 from .auth import Tokens, authorize, requires
 from .origins import Origins
 from .sealing import Sealer
@@ -76,6 +76,7 @@ def create_app(engine: Engine, settings: ServerSettings, tokens: Tokens, db: Dat
     app.register_blueprint(lmsp.bp)
     app.register_blueprint(openai.bp)
     app.register_blueprint(chat.bp)
+    app.register_blueprint(completions.bp)
 
     @app.before_serving
     async def start_sweeper():

@@ -14,6 +14,7 @@ from quart import Quart
 
 from .. import LMSP_VERSION, __version__
 from ..protocol.chat import ChatRequest
+from ..protocol.completions import CompletionRequest
 from ..protocol.problems import STATUS
 from ..protocol.requests import ResponsesRequest
 from ..protocol.responses import ResponseObject
@@ -23,7 +24,7 @@ _REF = "#/components/schemas/{model}"
 
 def _schemas() -> dict[str, Any]:
     schemas: dict[str, Any] = {}
-    for model in (ResponsesRequest, ResponseObject, ChatRequest):
+    for model in (ResponsesRequest, ResponseObject, ChatRequest, CompletionRequest):
         schema = model.model_json_schema(ref_template=_REF)
         schemas.update(schema.pop("$defs", {}))
         schemas[model.__name__] = schema
@@ -73,7 +74,8 @@ def _operation(app: Quart, endpoint: str, method: str, path: str) -> dict[str, A
         op["parameters"] = [{"name": p, "in": "path", "required": True, "schema": {"type": "string"}} for p in params]
     body = {"/lmsp/v1/responses": "ResponsesRequest", "/v1/responses": "ResponsesRequest",
             "/lmsp/v1/responses/compact": "ResponsesRequest", "/v1/responses/compact": "ResponsesRequest",
-            "/lmsp/v1/tasks": "TaskCreate", "/v1/chat/completions": "ChatRequest"}.get(path) if method == "post" else None
+            "/lmsp/v1/tasks": "TaskCreate", "/v1/chat/completions": "ChatRequest",
+            "/v1/completions": "CompletionRequest"}.get(path) if method == "post" else None
     if body:
         op["requestBody"] = {"required": True, "content": {"application/json": {"schema": {"$ref": _REF.format(model=body)}}}}
     op["responses"].update(_answers(method, path))
@@ -111,6 +113,10 @@ def _answers(method: str, path: str) -> dict[str, Any]:
         return {"200": ok}
     if method == "post" and path == "/v1/chat/completions":
         ok = _json("a chat.completion; with stream: true chat.completion.chunk events instead")
+        ok["content"].update(_SSE)
+        return {"200": ok}
+    if method == "post" and path == "/v1/completions":
+        ok = _json("a text_completion; with stream: true its chunks instead")
         ok["content"].update(_SSE)
         return {"200": ok}
     if method == "post" and path == "/lmsp/v1/tasks":

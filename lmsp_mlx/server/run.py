@@ -166,29 +166,15 @@ class ResponseRun:
         params = GenerationParams(
             prompt=prompt.tokens,
             max_tokens=0 if self.req.generate is False else min(self.req.max_output_tokens or room, room),
-            # top_p 0 keeps only the likeliest token: greedy, whatever the temperature.
-            temperature=0.0 if self.req.top_p == 0 else 1.0 if self.req.temperature is None else self.req.temperature,
-            top_p=1.0 if self.req.top_p is None else self.req.top_p,
             prefill_step=self.prefill_step,
             constraint=constraint,
             one_call=self.req.parallel_tool_calls is False,
             stop=self.stop,
-            penalties=self._penalties(lm.vocab_size),
-            seed=self.req.seed,
+            **sampling(self.req, lm.vocab_size),
         )
         self.job = self.engine.submit(params, self.route, text=prompt.text, conv=conv, visible=visible,
                                       keep_history=self.compacted)
         self._pump = asyncio.get_running_loop().create_task(self._fold_all(), name=self.id)
-
-    def _penalties(self, vocab: int | None) -> Penalties | None:
-        bias = tuple((int(k), v) for k, v in (self.req.logit_bias or {}).items() if v)
-        if bias and (vocab is None or any(t >= vocab for t, _ in bias)):
-            raise Problem("invalid_request", "logit_bias names a token id outside the vocabulary"
-                          + (f" (0..{vocab - 1})" if vocab else " (this model does not state its size)"),
-                          param="logit_bias")
-        if not (bias or self.req.presence_penalty or self.req.frequency_penalty):
-            return None
-        return Penalties(self.req.presence_penalty or 0.0, self.req.frequency_penalty or 0.0, bias)
 
     async def _render(self, items: list[InputItem], head: str):
         """The conversation of `items`, its reply constraint, its prompt and visible text."""
@@ -315,6 +301,26 @@ class ResponseRun:
 
 
 _ITEMS = TypeAdapter(list[InputItem])
+
+
+def sampling(req: Any, vocab: int | None) -> dict[str, Any]:
+    """GenerationParams' sampling fields from a request's OpenAI-style settings, which
+    Responses, Chat and text completions name alike."""
+    bias = tuple((int(k), v) for k, v in (req.logit_bias or {}).items() if v)
+    if bias and (vocab is None or any(t >= vocab for t, _ in bias)):
+        raise Problem("invalid_request", "logit_bias names a token id outside the vocabulary"
+                      + (f" (0..{vocab - 1})" if vocab else " (this model does not state its size)"),
+                      param="logit_bias")
+    penalties = None
+    if bias or req.presence_penalty or req.frequency_penalty:
+        penalties = Penalties(req.presence_penalty or 0.0, req.frequency_penalty or 0.0, bias)
+    return {
+        # top_p 0 keeps only the likeliest token: greedy, whatever the temperature.
+        "temperature": 0.0 if req.top_p == 0 else 1.0 if req.temperature is None else req.temperature,
+        "top_p": 1.0 if req.top_p is None else req.top_p,
+        "penalties": penalties,
+        "seed": req.seed,
+    }
 
 
 def successively_shorter(items: list[InputItem]) -> list[list[InputItem]]:

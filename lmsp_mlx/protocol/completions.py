@@ -1,0 +1,100 @@
+"""POST /v1/completions: OpenAI's legacy text completions, the body and the objects answered.
+
+The prompt is text (or token ids) the model continues as it is: no chat template, and the
+reply is plain text (think tags and call markup included). Benchmarks (`vllm bench serve`,
+llmperf), evaluation harnesses and editor autocompletion speak this API.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Union
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from .chat import StreamOptions
+from .ids import new_id
+from .problems import Problem
+from .requests import LogitBias, Penalty, Seed, Temperature, TopP, json_object, validation_problem
+
+Stop = Annotated[str, Field(max_length=256)]
+TokenIds = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
+
+
+class _Completions(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+
+class CompletionRequest(_Completions):
+    model: str
+    # One prompt: text, or token ids; OpenAI's batch forms are taken with one element.
+    prompt: Union[str, TokenIds, Annotated[list[str], Field(min_length=1)], Annotated[list[TokenIds], Field(min_length=1)]]
+    max_tokens: Annotated[int, Field(ge=1)] = 16  # OpenAI's default
+    temperature: Temperature | None = None
+    top_p: TopP | None = None
+    n: Annotated[int, Field(ge=1, le=1)] | None = None
+    best_of: Annotated[int, Field(ge=1, le=1)] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: Union[Stop, Annotated[list[Stop], Field(max_length=16)]] | None = None
+    echo: bool = False
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
+    seed: Seed | None = None
+    logit_bias: LogitBias | None = None
+    logprobs: Annotated[int, Field(ge=0, le=5)] | None = None  # refused: no logprobs here
+    suffix: str | None = None  # refused unless empty: no fill-in-the-middle here
+    user: str | None = None
+
+    def one_prompt(self) -> str | list[int]:
+        p = self.prompt
+        if isinstance(p, list) and p and isinstance(p[0], (str, list)):
+            if len(p) > 1:
+                raise Problem("invalid_request", f"the prompt holds {len(p)} prompts; this server completes one "
+                              "per request", param="prompt")
+            return p[0]
+        return p
+
+    def stops(self) -> list[str]:
+        stops = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
+        return [s for s in stops if s]
+
+
+def parse_completion(body: Any) -> CompletionRequest:
+    """Validate a decoded body; every failure is a 400 naming the field."""
+    try:
+        req = CompletionRequest.model_validate(json_object(body))
+    except ValidationError as exc:
+        problem = validation_problem(exc, frozenset())
+        if (problem.param or "").startswith("prompt"):
+            problem.detail = "prompt must be a string, a list of token ids, or a list holding one of these"
+            problem.param = "prompt"
+        elif problem.param in ("n", "best_of"):
+            problem.detail = f"{problem.param} must be 1: this server returns one choice per request"
+        raise problem from None
+    if req.logprobs is not None:
+        raise Problem("unsupported_capability", "logprobs are not returned by this server", param="logprobs")
+    if req.suffix:
+        raise Problem("unsupported_capability", "suffix (fill in the middle) is not supported", param="suffix")
+    req.one_prompt()
+    return req
+
+
+def completion_id() -> str:
+    return new_id("cmpl")
+
+
+def usage(prompt_tokens: int, completion_tokens: int, cached: int) -> dict[str, Any]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens, "prompt_tokens_details": {"cached_tokens": cached}}
+
+
+def text_completion(cid: str, created: int, model: str, text: str, finish_reason: str | None,
+                    use: dict[str, Any] | None = None, choices: bool = True) -> dict[str, Any]:
+    """A `text_completion` object, or a streamed chunk of one (`choices=False`: the usage chunk)."""
+    out: dict[str, Any] = {"id": cid, "object": "text_completion", "created": created, "model": model,
+                           "system_fingerprint": None,
+                           "choices": [{"text": text, "index": 0, "logprobs": None, "finish_reason": finish_reason}]
+                           if choices else []}
+    if use is not None:
+        out["usage"] = use
+    return out
