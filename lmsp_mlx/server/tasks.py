@@ -23,7 +23,7 @@ from ..protocol.ids import new_id
 from ..protocol.problems import Problem
 from ..protocol.requests import ResponsesRequest, parse_request
 from ..protocol.responses import ResponseObject, v1_response
-from ..store import IdempotencyKeys, StoredEvent, StoredResponses, TaskLog, TaskRecord
+from ..store import Framing, IdempotencyKeys, StoredEvent, StoredResponses, TaskLog, TaskRecord
 from ..store.keys import body_hash
 from .run import ResponseRun
 from .sse import SseEvent
@@ -64,7 +64,7 @@ def output_of(events: list[StoredEvent]) -> list[dict]:
     return [items[i] for i in sorted(items)]
 
 
-def failed_event(framing: str, n: int, response: ResponseObject, request: ResponsesRequest) -> SseEvent:
+def failed_event(framing: Framing, n: int, response: ResponseObject, request: ResponsesRequest) -> SseEvent:
     """Event `n`, the final one of a task that failed outside its run (a bug, a restart),
     in the shape its followers read: LMSP's, or Open Responses' with the whole response."""
     if framing == "v1":
@@ -75,10 +75,7 @@ def failed_event(framing: str, n: int, response: ResponseObject, request: Respon
 
 
 class LiveTask:
-    """`framing`: "lmsp" for a task's section 6.3 events; "v1" for a /v1 background
-    response's Open Responses events, whose `sequence_number` is the id - 1."""
-
-    def __init__(self, task_id: str, owner: str, run: ResponseRun, log_: TaskLog, framing: str = "lmsp") -> None:
+    def __init__(self, task_id: str, owner: str, run: ResponseRun, log_: TaskLog, framing: Framing = "lmsp") -> None:
         self.id = task_id
         self.owner = owner
         self.run = run
@@ -167,7 +164,7 @@ class Tasks:
         self._drivers: set[asyncio.Task] = set()
         self._key_locks: dict[tuple[str, str], list] = {}  # (owner, key) -> [lock, users]
 
-    def start(self, owner: str, run: ResponseRun, stream: AsyncIterator[SseEvent], framing: str = "lmsp") -> LiveTask:
+    def start(self, owner: str, run: ResponseRun, stream: AsyncIterator[SseEvent], framing: Framing = "lmsp") -> LiveTask:
         """Record a task for an already queued run and drive it in the background."""
         task = LiveTask(new_id("task"), owner, run, self.log, framing)
         self.log.create(task.id, owner, run.id, run.stored_request(), framing)

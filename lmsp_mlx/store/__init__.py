@@ -4,6 +4,7 @@ idempotency keys (lmsp_mlx/store/db.py has the schema)."""
 from .db import Database, StoreError
 from .keys import IdempotencyKeys
 from .responses import StoredResponses
-from .tasks import StoredEvent, TaskLog, TaskRecord
+from .tasks import Framing, StoredEvent, TaskLog, TaskRecord
 
-__all__ = ["Database", "StoreError", "IdempotencyKeys", "StoredResponses", "StoredEvent", "TaskLog", "TaskRecord"]
+__all__ = ["Database", "StoreError", "Framing", "IdempotencyKeys", "StoredResponses", "StoredEvent", "TaskLog",
+           "TaskRecord"]

@@ -10,11 +10,15 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any, Iterable, Literal
 
 from .db import Database, now
 
 ENDED = ("completed", "incomplete", "failed", "cancelled")
+
+# The shape of a task's events: "lmsp" (section 6.3, ids from 1), or "v1" (a /v1 background
+# response's Open Responses events, whose sequence_number is the id - 1).
+Framing = Literal["lmsp", "v1"]
 
 
 @dataclass
@@ -29,7 +33,7 @@ class TaskRecord:
     events_expired: bool
     response: dict[str, Any] | None
     request: dict[str, Any]
-    framing: str = "lmsp"  # its events' shape: "lmsp" (section 6.3) or "v1" (a /v1 background response's)
+    framing: Framing = "lmsp"
 
 
 @dataclass(frozen=True)
@@ -52,7 +56,7 @@ class TaskLog:
         self.db = db
 
     def create(self, task_id: str, owner: str, response_id: str, request: dict[str, Any],
-               framing: str = "lmsp") -> None:
+               framing: Framing = "lmsp") -> None:
         with self.db.transaction() as c:
             c.execute(
                 "INSERT INTO tasks (id, owner, status, response_id, created_at, request, framing)"
