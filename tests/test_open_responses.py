@@ -223,12 +223,15 @@ def test_a_background_stream_survives_its_client_and_is_resumed(tiny_server):
     assert resumed == whole[5:]  # exactly what the client missed
     with sdk.responses.stream(response_id=response_id, starting_after=3) as stream:  # the SDK's own resume
         assert [e.sequence_number for e in stream] == list(range(4, len(whole)))
-    assert _checked(sdk.responses.retrieve(response_id, stream=True, starting_after=len(whole))) == []
+    for past in (len(whole), 2**63 - 1, 10**30):  # past the end: nothing more
+        assert _checked(sdk.responses.retrieve(response_id, stream=True, starting_after=past)) == []
     for bad in ("x", "-2"):
         r = httpx.get(f"{tiny_server.url}/v1/responses/{response_id}", params={"stream": "true", "starting_after": bad})
         assert r.status_code == 400 and r.json()["error"]["param"] == "starting_after"
     r = httpx.get(f"{tiny_server.url}/v1/responses/resp_missing", params={"stream": "true"})
     assert r.status_code == 404
+    sdk.responses.delete(response_id)  # its events held its output too: they go with it
+    assert httpx.get(f"{tiny_server.url}/v1/responses/{response_id}", params={"stream": "true"}).status_code == 404
 
 
 def test_a_cancelled_background_stream_ends_for_every_follower(tiny_server):
@@ -238,6 +241,13 @@ def test_a_cancelled_background_stream_ends_for_every_follower(tiny_server):
     body = {"model": "tiny", "input": "Count these tokens", "temperature": 0, "max_output_tokens": 20000}
     with sdk.responses.create(**body, background=True, stream=True) as stream:
         first = next(iter(stream))
+        with sdk.responses.create(**body, background=True, stream=True) as waiting:  # behind the first
+            created = next(iter(waiting))
+            assert created.response.status == "queued"  # as GET says
+            assert sdk.responses.retrieve(created.response.id).status == "queued"
+            assert sdk.responses.cancel(created.response.id).status == "cancelled"
+            never_ran = _checked(waiting)
+        assert [e["type"] for e in never_ran] == ["response.failed"]  # no in_progress: it never started
         assert sdk.responses.cancel(first.response.id).status == "cancelled"
         rest = _checked(stream)  # the stream it was started with ends too
     assert rest[-1]["type"] == "response.failed" and rest[-1]["response"]["status"] == "cancelled"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sqlite3
+import threading
 import time
 from contextlib import closing
 
@@ -152,6 +153,7 @@ def test_a_bad_task_body_is_400_and_no_task(tasks_server):
 def test_events_past_retention_are_410_and_the_result_stays(start_server, tiny_model_dir):
     server = start_server("--model", str(tiny_model_dir), "--model-id", "tiny", "--event-retention", "1s")
     task = create(server, ask(max_output_tokens=3)).json()
+    background = httpx.post(server.url + "/v1/responses", json={**ask(max_output_tokens=3), "background": True}).json()
     assert events(server, task["id"])[-1]["event"] == "response.incomplete"
     deadline = time.monotonic() + 30
     while (r := httpx.get(f"{server.url}/lmsp/v1/tasks/{task['id']}/events")).status_code == 200:
@@ -159,6 +161,9 @@ def test_events_past_retention_are_410_and_the_result_stays(start_server, tiny_m
         time.sleep(0.2)
     assert r.status_code == 410 and r.json()["code"] == "event_history_expired"
     assert httpx.get(f"{server.url}/lmsp/v1/tasks/{task['id']}").json()["response"]["usage"]["output_tokens"] == 3
+    # On /v1 the 410 points to what a /v1 client can GET (it never sees the task).
+    r = httpx.get(f"{server.url}/v1/responses/{background['id']}", params={"stream": "true"})
+    assert r.status_code == 410 and f"GET /v1/responses/{background['id']}" in r.json()["error"]["message"]
 
 
 def stored_events(store: str, task_id: str) -> int:
@@ -176,8 +181,25 @@ def test_a_task_running_when_the_server_is_killed_is_failed_after_restart(start_
     while stored_events(store, task["id"]) < 6:
         assert time.monotonic() < deadline
         time.sleep(0.1)
+    sent: list[int] = []  # what a live follower was sent, up to the kill: ahead of the store's batches
+
+    def follow():
+        try:
+            with httpx.stream("GET", f"{server.url}/lmsp/v1/tasks/{task['id']}/events", timeout=60) as r:
+                for line in r.iter_lines():
+                    if line.startswith("id: "):
+                        sent.append(int(line[4:]))
+        except httpx.HTTPError:
+            pass
+
+    follower = threading.Thread(target=follow)
+    follower.start()
+    while len(sent) < 200:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
     server.proc.kill()  # SIGKILL: no shutdown path runs
     server.proc.wait()
+    follower.join()
     again = start_server(*args)
     ended = httpx.get(f"{again.url}/lmsp/v1/tasks/{task['id']}").json()
     assert ended["status"] == "failed"
@@ -189,8 +211,12 @@ def test_a_task_running_when_the_server_is_killed_is_failed_after_restart(start_
     assert text and ended["response"]["output"][0]["content"] == [{"type": "output_text", "text": text}]
     # It was stored: its response is there, failed, for a client that polls it rather than the task.
     assert httpx.get(f"{again.url}/lmsp/v1/responses/{task['response_id']}").json() == ended["response"]
-    assert [int(e["id"]) for e in stored] == list(range(1, len(stored) + 1))
-    assert stored[-1]["event"] == "response.failed"
+    ids = [int(e["id"]) for e in stored]
+    assert ids[:-1] == list(range(1, len(ids))) and stored[-1]["event"] == "response.failed"
+    # The last batch a follower was sent may not have reached the store: the final event is
+    # numbered past it, so a follower resuming after anything it saw still hears the end.
+    resumed = events(again, task["id"], params={"after": sent[-1]})
+    assert resumed[-1]["event"] == "response.failed" and all(int(e["id"]) > sent[-1] for e in resumed)
 
 
 def test_a_v1_background_stream_running_when_the_server_is_killed_ends_failed_after_restart(
@@ -221,10 +247,38 @@ def test_a_v1_background_stream_running_when_the_server_is_killed_ends_failed_af
     with httpx.stream("GET", f"{again.url}/v1/responses/{response_id}", params={"stream": "true"}) as r:
         replayed = [e["data"] for e in read_sse(list(r.iter_lines())) if isinstance(e.get("data"), dict)]
     assert replayed[:6] == seen
-    assert [e["sequence_number"] for e in replayed] == list(range(len(replayed)))
+    numbers = [e["sequence_number"] for e in replayed]
+    assert numbers[:-1] == list(range(len(numbers) - 1)) and numbers[-1] > numbers[-2]
     assert replayed[-1]["type"] == "response.failed" and replayed[-1]["response"] == polled
     text = "".join(e["delta"] for e in replayed if e["type"] == "response.output_text.delta")
     assert text and polled["output"][0]["content"][0]["text"] == text
+
+
+def test_a_v1_background_response_killed_while_queued_still_streams_from_its_start(start_server, tiny_model_dir,
+                                                                                  tmp_path):
+    store = str(tmp_path / "store.sqlite3")
+    args = ("--model", str(tiny_model_dir), "--model-id", "tiny", "--store", store)
+    server = start_server(*args)
+    endless = {**ask(max_output_tokens=20000), "background": True}
+    httpx.post(server.url + "/v1/responses", json=endless, timeout=60)
+    waiting = httpx.post(server.url + "/v1/responses", json=endless, timeout=60).json()
+    assert waiting["status"] == "queued"
+    with httpx.stream("GET", f"{server.url}/v1/responses/{waiting['id']}", params={"stream": "true"}) as r:
+        lines = []
+        for line in r.iter_lines():  # its stream so far: created, and nothing more while it waits
+            lines.append(line)
+            if line == "":
+                break
+    [created] = [e["data"] for e in read_sse(lines) if "data" in e]
+    assert created["type"] == "response.created" and created["response"]["status"] == "queued"
+    time.sleep(1.0)  # a quiet stream's events are stored within FLUSH_SECONDS all the same
+    server.proc.kill()
+    server.proc.wait()
+    again = start_server(*args)
+    with httpx.stream("GET", f"{again.url}/v1/responses/{waiting['id']}", params={"stream": "true"}) as r:
+        replayed = [e["data"] for e in read_sse(list(r.iter_lines())) if isinstance(e.get("data"), dict)]
+    assert [e["type"] for e in replayed] == ["response.created", "response.failed"]  # as the SDK needs it
+    assert replayed[0] == created
 
 
 def test_a_task_running_at_a_normal_shutdown_ends_cancelled(start_server, tiny_model_dir, tmp_path):
@@ -237,3 +291,21 @@ def test_a_task_running_at_a_normal_shutdown_ends_cancelled(start_server, tiny_m
     assert httpx.get(f"{again.url}/lmsp/v1/tasks/{task['id']}").json()["status"] == "cancelled"
     assert events(again, task["id"])[-1]["event"] == "response.cancelled"
     assert "running when the service stopped" not in again.log()  # it ended properly, nothing to recover
+
+
+def test_a_recovered_task_ends_past_every_event_its_followers_may_have_been_sent(tmp_path):
+    # Followers are sent each event before its batch is stored: a crash may have kept up to
+    # FLUSH_EVERY fewer than a follower saw. The final event must still reach that follower.
+    from lmsp_mlx.server.tasks import FLUSH_EVERY, Tasks
+    from lmsp_mlx.store import Database, IdempotencyKeys, StoredEvent, StoredResponses, TaskLog
+
+    db = Database(tmp_path / "store.sqlite3")
+    log = TaskLog(db)
+    log.create("task_x", "local", "resp_x", {"model": "tiny", "input": [], "store": False})
+    log.append("task_x", [StoredEvent(i, "response.output_text.delta", {"output_index": 0, "delta": "a"})
+                          for i in range(1, 11)], "in_progress")
+    assert Tasks(log, IdempotencyKeys(db)).recover(StoredResponses(db)) == 1
+    last_seen = 10 + FLUSH_EVERY  # the most a follower can have been sent
+    [final] = log.events_after("task_x", last_seen)
+    assert final.event == "response.failed" and final.data["sequence_number"] == final.id
+    assert log.get("local", "task_x").status == "failed"

@@ -115,8 +115,13 @@ async def get_response(response_id: str):
     req = parse_request(stored.request)
     out = v1_response(ResponseObject.model_validate(stored.response), req, stored.completed_at)
     running = state().running.get(response_id)
-    if out["status"] == "in_progress" and running is not None and running[1].waiting:
-        out["status"] = "queued"  # OpenAI's status for a background response not started yet
+    return _queued(out, running[1]) if running is not None else out
+
+
+def _queued(out: dict, run: ResponseRun) -> dict:
+    """OpenAI's status for a response the model has not started on yet: `queued`."""
+    if out["status"] == "in_progress" and run.waiting:
+        out["status"] = "queued"
     return out
 
 
@@ -125,7 +130,7 @@ async def _stream_again(response_id: str):
     sequence number): the live ones follow while it runs. Resumes a stream the client lost."""
     raw = request.args.get("starting_after", "-1")
     try:
-        after = int(raw)
+        after = min(int(raw), 2**62)  # past every event, and within SQLite's integers
     except ValueError:
         after = -2
     if after < -1:
@@ -137,7 +142,13 @@ async def _stream_again(response_id: str):
         await stored_response(response_id)  # 404 unless stored
         raise Problem("invalid_request", "only a response created with background: true on /v1 can be streamed "
                       "again; GET it without stream", param="stream")
-    events = await s.tasks.events(who, record.id, after + 1)  # the SSE id of sequence number n is n + 1
+    try:
+        events = await s.tasks.events(who, record.id, after + 1)  # the SSE id of sequence number n is n + 1
+    except Problem as problem:
+        if problem.code != "event_history_expired":
+            raise
+        raise Problem(problem.code, f"the events of response {response_id!r} are past their retention; "
+                      f"GET /v1/responses/{response_id} has its final result") from None
     return sse_response(_framed(events))
 
 
@@ -162,6 +173,7 @@ async def delete_response(response_id: str):
         raise Problem("invalid_request", f"response {response_id!r} is still in progress; cancel its task first")
     if not await asyncio.to_thread(state().responses.delete, owner(), response_id):
         raise Problem("response_not_found", f"no stored response {response_id!r}")
+    await asyncio.to_thread(state().tasks.log.forget_response, owner(), response_id)  # its events held it too
     return {"id": response_id, "object": "response", "deleted": True}
 
 
@@ -229,17 +241,23 @@ def _error_message(problem: Problem) -> str:
 
 
 async def stream_v1(run: ResponseRun):
-    """Open Responses order: created, in_progress; per item its added event, part events,
-    deltas, done events; then the final response event and `[DONE]`."""
+    """Open Responses order: created, in_progress (a queued run's once its output begins);
+    per item its added event, part events, deltas, done events; then the final response
+    event and `[DONE]`."""
     event = OpenResponsesEvents()
 
     def snapshot():
-        return v1_response(run.response(), run.req, run.completed_at)
+        return _queued(v1_response(run.response(), run.req, run.completed_at), run)
 
     try:
+        queued = run.waiting  # behind other requests: in_progress once its output begins
         yield event("response.created", response=snapshot())
-        yield event("response.in_progress", response=snapshot())
+        if not queued:
+            yield event("response.in_progress", response=snapshot())
         async for e in run.events():
+            if queued:
+                queued = False
+                yield event("response.in_progress", response=snapshot())
             for name, fields in v1_item_events(e):
                 yield event(name, **fields)
         if run.status == "cancelled" and run.req.background:  # POST .../cancel, or a shutdown

@@ -1,9 +1,11 @@
 """Tasks: responses that run in the background and whose events can be resumed (section 6.4).
 
-A `LiveTask` drives one `ResponseRun` through the LMSP event stream whether or not anyone
+A `LiveTask` drives one `ResponseRun` through its event stream whether or not anyone
 listens, keeps its events in memory for followers and writes them to the store in batches
-(every `FLUSH_EVERY` events or `FLUSH_SECONDS`, whichever comes first: one SQLite commit
-per token would tax the decode rate). The last batch and the task's end are one write.
+(every `FLUSH_EVERY` events or `FLUSH_SECONDS`, whichever comes first, a quiet stream's
+too: one SQLite commit per token would tax the decode rate). The last batch and the task's
+end are one write. A crash can lose the last batch: the final event a restart adds is
+numbered past it (Tasks.recover), so ids stay unique and increasing, with a gap.
 Followers replay from memory while the task lives, from the store after it ended.
 
 Plain responses sent with an `Idempotency-Key` run as tasks too: a retry then waits for,
@@ -96,8 +98,19 @@ class LiveTask:
         """Run to the end, recording every event; never raises (a bug fails the task)."""
         pending: list[StoredEvent] = []
         flushed = time.monotonic()
+        events, following = aiter(stream), None
         try:
-            async for event in stream:
+            while True:
+                following = asyncio.ensure_future(anext(events))
+                # A stream gone quiet (a queued run, a long prefill) has its events stored
+                # all the same within FLUSH_SECONDS: a crash loses no more than that.
+                if pending and not (await asyncio.wait({following}, timeout=FLUSH_SECONDS))[0]:
+                    await asyncio.to_thread(self._log.append, self.id, pending)
+                    pending, flushed = [], time.monotonic()
+                try:
+                    event = await following
+                except StopAsyncIteration:
+                    break
                 self.events.append(event)
                 pending.append(_stored(event))
                 async with self._changed:
@@ -112,6 +125,8 @@ class LiveTask:
             final = failed_event(self.framing, len(self.events) + 1, self.run.response(), self.run.req)
             self.events.append(final)  # followers still get exactly one final event
             pending.append(_stored(final))
+            if following is not None and not following.done():  # the store failed: stop the run too
+                following.cancel()
         response = self.run.response().model_dump(mode="json")
         try:
             await asyncio.to_thread(self._log.append, self.id, pending, self.run.status, response)
@@ -240,7 +255,10 @@ class Tasks:
             response = {"id": r.response_id, "object": "response", "created_at": int(r.created_at),
                         "status": "failed", "model": r.request.get("model"), "output": output,
                         "usage": None, "error": error, "incomplete_details": None}
-            final = failed_event(r.framing, r.last_event_id + 1, ResponseObject.model_validate(response),
+            # Events go to followers before their batch is stored: the last process may have
+            # sent up to FLUSH_EVERY more than the store holds. The final event's id goes past
+            # them all, so a follower resuming after any event it was sent still gets it.
+            final = failed_event(r.framing, r.last_event_id + FLUSH_EVERY + 1, ResponseObject.model_validate(response),
                                  parse_request(r.request))
             self.log.append(r.id, [_stored(final)], "failed", response)
             if r.request.get("store"):

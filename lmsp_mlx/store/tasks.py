@@ -74,6 +74,15 @@ class TaskLog:
                              " ORDER BY created_at DESC LIMIT 1", (response_id, owner))
         return _record(rows[0]) if rows else None
 
+    def forget_response(self, owner: str, response_id: str) -> None:
+        """Drop the tasks that ran a deleted response, and their events: they hold its output."""
+        with self.db.transaction() as c:
+            ids = [r[0] for r in c.execute("SELECT id FROM tasks WHERE response_id = ? AND owner = ?",
+                                           (response_id, owner))]
+            for task_id in ids:
+                c.execute("DELETE FROM task_events WHERE task_id = ?", (task_id,))
+                c.execute("DELETE FROM tasks WHERE id = ?", (task_id,))
+
     def append(self, task_id: str, events: Iterable[StoredEvent], status: str | None = None,
                response: dict[str, Any] | None = None) -> None:
         """Add a batch of events; with `status`, also record the task's new status (and, for
