@@ -91,10 +91,10 @@ def test_a_client_that_closes_as_it_sends_its_request_generates_nothing(tiny_ser
         with socket.create_connection(("127.0.0.1", tiny_server.port)) as s:
             s.sendall(b"POST %s HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n"
                       % (route.encode(), len(raw)) + raw)
-        deadline = time.monotonic() + 30
-        while not re.search(r"status=499|status=cancelled", tiny_server.log()[before:]):
-            assert time.monotonic() < deadline, tiny_server.log()[before:]
-            time.sleep(0.05)
+        time.sleep(0.3)
+        # The next request waits for the model: behind a 20,000-token reply if one is running.
+        assert httpx.post(tiny_server.url + "/lmsp/v1/responses", json=ask(max_output_tokens=1),
+                          timeout=120).status_code == 200
         assert "output_tokens=20000" not in tiny_server.log()[before:]
 
 

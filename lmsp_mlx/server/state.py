@@ -53,14 +53,18 @@ def state() -> ServerState:
 
 async def read_json() -> Any:
     """The body as JSON; malformed JSON is 400 `invalid_request`."""
-    raw = await request.get_data()
-    # A client that closes right after sending its request is cancelled as its last bytes
-    # arrive, and Python 3.11's asyncio.wait_for (inside get_data) then returns the body and
-    # drops the cancellation: the generation would run for nobody. It is still counted.
-    if (task := asyncio.current_task()) is not None and task.cancelling():
-        log.info("request %s %s status=499 (the client closed the connection as it sent the request)",
+    try:
+        raw = await request.get_data()
+        # A client that closes right after sending its request is cancelled as its last
+        # bytes arrive, and Python 3.11's asyncio.wait_for (inside get_data) may return the
+        # body and drop the cancellation: the generation would run for nobody. It is
+        # still counted on the task.
+        if (task := asyncio.current_task()) is not None and task.cancelling():
+            raise asyncio.CancelledError
+    except asyncio.CancelledError:
+        log.info("request %s %s status=499 (the client closed the connection with its request)",
                  request.method, request.path)
-        raise asyncio.CancelledError
+        raise
     return decode_json(raw, "the body")
 
 
