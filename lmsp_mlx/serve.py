@@ -7,7 +7,6 @@ import asyncio
 import ipaddress
 import logging
 import math
-import re
 import os
 import signal
 import socket
@@ -21,6 +20,7 @@ from .engine.model_store import DEFAULT_MODEL, ModelStoreError, default_models_d
 from .cache.pool import Policy
 from .engine.worker import CacheSettings, Engine
 from .server.auth import Tokens, TokensError
+from .server.origins import normalized
 from .server.state import ServerSettings
 from .server.sealing import StateKeyError, load_state_key
 from .store import Database, StoreError
@@ -105,10 +105,15 @@ def _duration(text: str) -> float:
 
 
 def _origin(text: str) -> str:
-    origin = text.strip().rstrip("/")
-    if origin not in ("*", "null") and not re.fullmatch(r"[a-zA-Z][a-zA-Z0-9+.-]*://[^/\s?#]+", origin):
-        raise argparse.ArgumentTypeError(f"{text!r} is not an origin (like https://ui.example:8443, or *)")
-    return origin
+    if text.strip() == "*":
+        return "*"
+    if text.strip().lower() == "null":
+        raise argparse.ArgumentTypeError("null is the origin any page can send from a sandboxed frame: serve the "
+                                         "page from http://localhost, or give the server tokens (--api-key)")
+    try:
+        return normalized(text)  # as browsers send it, so it matches
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"{exc} (or * for any page)") from None
 
 
 def _is_loopback(host: str) -> bool:

@@ -71,7 +71,8 @@ def test_corrupt_weights(tmp_path, tiny_model_dir):
      # nan would turn retention off without a word
      (["--store-retention", "nan"], "--store-retention"), (["--event-retention", "inf"], "--event-retention"),
      (["--kv-group-size", "32"], "--kv-bits"), (["--sse-keepalive", "nan"], "--sse-keepalive"),
-     (["--cors-origin", "ui.example/app"], "--cors-origin")],
+     (["--cors-origin", "ui.example/app"], "--cors-origin"), (["--cors-origin", "null"], "--cors-origin"),
+     (["--cors-origin", "https://*.example.com"], "--cors-origin"), (["--cors-origin", "http://x:99999"], "--cors-origin")],
 )
 def test_bad_flag_values(flags, name):
     done = serve(*flags)

@@ -44,7 +44,9 @@ def test_the_prompt_is_continued_as_it_is(sdk, tiny_lm):
     done = sdk.completions.create(model="tiny", prompt=PROMPT, max_tokens=16, temperature=0)
     assert done.object == "text_completion" and len(done.choices) == 1
     choice = done.choices[0]
-    assert choice.text == tiny_lm.tokenizer.decode(expected)
+    ids = tiny_lm.tokenizer.encode(PROMPT)  # the text continues the prompt's (a leading space kept)
+    whole = tiny_lm.tokenizer.decode(ids + expected, skip_special_tokens=True)
+    assert choice.text == whole[len(tiny_lm.tokenizer.decode(ids, skip_special_tokens=True)):]
     assert choice.finish_reason == ("stop" if ended else "length")
     assert done.usage.prompt_tokens == len(tiny_lm.tokenizer.encode(PROMPT))
     assert done.usage.completion_tokens == len(expected)
@@ -87,6 +89,7 @@ def test_what_is_not_served_is_refused_with_its_param(tiny_server, tiny_lm):
         ({"suffix": "end"}, 400, "suffix"), ({"n": 2}, 400, "n"), ({"max_tokens": 0}, 400, "max_tokens"),
         ({"model": "other"}, 404, "model"), ({"temperature": 3}, 400, "temperature"),
         ({"logit_bias": {"999999": 1}}, 400, "logit_bias"), ({"prompt": "x " * 40000}, 400, "prompt"),
+        ({"stop": ["s"] * 17}, 400, "stop"), ({"stop": 5}, 400, "stop"), ({"stop": "s" * 257}, 400, "stop"),
     ]:
         r = httpx.post(tiny_server.url + "/v1/completions", json={**base, **fields}, timeout=60)
         assert r.status_code == status and r.json()["error"]["param"] == param, (fields, r.text)
@@ -96,4 +99,15 @@ def test_the_default_model_completes_a_plain_sentence(default_server):
     real = openai.OpenAI(base_url=default_server.url + "/v1", api_key="unused", timeout=300, max_retries=0)
     done = real.completions.create(model="SmolLM2-135M-Instruct", prompt="The capital of France is", max_tokens=4,
                                    temperature=0)
-    assert "Paris" in done.choices[0].text  # continued as text, not answered as a chat turn
+    assert done.choices[0].text.startswith(" Paris")  # continued as text (its space kept), not answered as a chat turn
+    echoed = real.completions.create(model="SmolLM2-135M-Instruct", prompt="The capital of France is", max_tokens=4,
+                                     temperature=0, echo=True, stop=[" Paris"])
+    assert echoed.choices[0].text == "The capital of France is" and echoed.choices[0].finish_reason == "stop"
+
+
+def test_special_tokens_have_no_text_in_a_completion(sdk, tiny_lm):
+    start = tiny_lm.tokenizer.convert_tokens_to_ids("<|im_start|>")
+    assert start in tiny_lm.special_token_ids and start not in tiny_lm.eos_token_ids
+    done = sdk.completions.create(model="tiny", prompt=PROMPT, max_tokens=3, temperature=0,
+                                  logit_bias={str(start): 100})
+    assert done.choices[0].text == "" and done.usage.completion_tokens == 3  # sampled, counted, not shown

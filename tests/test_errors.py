@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from conftest import ask
 
@@ -76,11 +78,26 @@ def test_json_nested_too_deeply(client):
     problem(r, 400, "invalid_request")
 
 
-def test_text_that_is_not_unicode(client):
+def test_text_that_is_not_unicode(client, tiny_server):
     body = b'{"model": "tiny", "input": "\\ud800 lone surrogate"}'
     doc = problem(client.post("/lmsp/v1/responses", content=body, headers={"content-type": "application/json"}),
                   400, "invalid_request")
-    assert "Unicode" in doc["detail"]
+    assert "surrogate" in doc["detail"]
+    # Half a pair anywhere a string goes, on every route: 400, never a 500 (the tokenizer and
+    # the store cannot take it); a whole pair (an emoji) is text.
+    for route, raw in [("/v1/responses", b'{"model": "tiny", "input": "ok", "instructions": "\\udc00"}'),
+                       ("/v1/completions", b'{"model": "tiny", "prompt": ["\\udfff"]}'),
+                       ("/v1/chat/completions", b'{"model": "tiny", "messages": [{"role": "user", "content": "\\ud83d"}]}')]:
+        r = client.post(route, content=raw, headers={"content-type": "application/json"})
+        assert r.status_code == 400 and "surrogate" in r.json()["error"]["message"], (route, r.text)
+    assert client.post("/v1/completions", json={"model": "tiny", "prompt": "\U0001F600", "max_tokens": 1}).status_code == 200
+    websockets = pytest.importorskip("websockets")
+    from websockets.sync.client import connect
+
+    with connect(tiny_server.url.replace("http", "ws") + "/v1/responses") as ws:
+        ws.send('{"type": "response.create", "model": "tiny", "input": "\\ud800"}')
+        error = json.loads(ws.recv(timeout=60))
+        assert error["type"] == "error" and "surrogate" in error["message"]
 
 
 def test_tool_choice_must_be_known(client):

@@ -13,10 +13,15 @@ UI = "http://localhost:5173"  # a local web UI's dev server
 
 def test_a_foreign_page_cannot_drive_a_server_without_tokens(tiny_server):
     before = tiny_server.log().count("request route=")
-    for headers in ({"Origin": EVIL}, {"Origin": EVIL, "Content-Type": "text/plain"}, {"Origin": "null"}):
+    for headers in ({"Origin": EVIL}, {"Origin": EVIL, "Content-Type": "text/plain"},
+                    {"Origin": "http://localhost.evil.example"}):
         r = httpx.post(tiny_server.url + "/v1/responses", json=ask(), headers=headers, timeout=60)
         assert r.status_code == 403 and "--cors-origin" in r.json()["error"]["message"]
         assert "access-control-allow-origin" not in r.headers
+    # Any page can send null from a sandboxed frame: the advice is not to allow it.
+    for origin in ("null", "http://evil.example#@localhost"):
+        r = httpx.post(tiny_server.url + "/v1/responses", json=ask(), headers={"Origin": origin}, timeout=60)
+        assert r.status_code == 403 and "--cors-origin" not in r.json()["error"]["message"]
     assert tiny_server.log().count("request route=") == before  # nothing was generated
     r = httpx.options(tiny_server.url + "/v1/responses",
                       headers={"Origin": EVIL, "Access-Control-Request-Method": "POST"})
@@ -54,7 +59,7 @@ def test_a_loopback_page_gets_cors_and_its_preflight_answered(tiny_server):
 
 def test_with_tokens_the_named_origins_get_cors_and_the_token_guards_the_rest(start_server, tiny_model_dir):
     server = start_server("--model", str(tiny_model_dir), "--model-id", "tiny", "--api-key", "k",
-                          "--cors-origin", "https://ui.example")
+                          "--cors-origin", "HTTPS://UI.example:443/")  # as a browser sends it: https://ui.example
     token = {"Authorization": "Bearer k"}
     pre = httpx.options(server.url + "/v1/responses", headers={  # a preflight carries no token
         "Origin": "https://ui.example", "Access-Control-Request-Method": "POST"})

@@ -18,6 +18,7 @@ import mlx.nn as nn
 from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.sample_utils import make_sampler
+from mlx_lm.tokenizer_utils import BPEStreamingDetokenizer, SPMStreamingDetokenizer
 
 from .events import Finished, GenerationEvent, TextDelta, Usage
 from .loader import LoadedModel
@@ -126,6 +127,16 @@ def last_logits(lm: LoadedModel, tokens: list[int], cache: list) -> mx.array:
         outer.model = body
 
 
+def continue_after(detokenizer, token: int) -> None:
+    """Make `detokenizer` read a continuation of text that ended with `token`: mlx-lm's drop
+    the leading space of a reply's first word (right for a chat turn, wrong for a text
+    completion: " Paris" would come back "Paris"). The token's own text is not the reply's."""
+    detokenizer.add_token(token)
+    if isinstance(detokenizer, (BPEStreamingDetokenizer, SPMStreamingDetokenizer)):
+        detokenizer.finalize()  # a held-back space or partial character is the prompt's
+    detokenizer.last_segment
+
+
 def sample_tokens(lm: LoadedModel, tail: list[int], cache: list, sampler, max_tokens: int, constraint=None,
                   penalties: Penalties | None = None, seed: int | None = None) -> Iterator[int]:
     """Tokens after the prefilled cache, starting with the prompt's unprefilled `tail`.
@@ -207,6 +218,10 @@ def generate(
     prefill(lm, params.prompt[params.cached : -tail], cache, params.prefill_step, check)
     sampler = make_sampler(temp=params.temperature, top_p=params.top_p if params.top_p < 1 else 0.0)
     detokenizer = lm.tokenizer.detokenizer
+    skip: frozenset[int] = frozenset()  # tokens with no text in the reply
+    if params.raw:
+        continue_after(detokenizer, params.prompt[-1])
+        skip = lm.special_token_ids  # as vLLM's skip_special_tokens
     first = None
     reason = "length"
     produced = 0
@@ -223,7 +238,8 @@ def generate(
                 reason = "stop"
                 break
             produced += 1
-            detokenizer.add_token(token)
+            if token not in skip:
+                detokenizer.add_token(token)
             if piece := detokenizer.last_segment:
                 emit(TextDelta(piece))
             if cancelled():

@@ -37,6 +37,8 @@ class LoadedModel:
     backend: str
     capabilities: tuple[str, ...] = CAPABILITIES
     eos_token_ids: frozenset[int] = field(default_factory=frozenset)
+    # The tokenizer's special tokens (<|im_start|>, <|endoftext|>, ...): no text in a text completion
+    special_token_ids: frozenset[int] = field(default_factory=frozenset)
     fingerprint: str = ""  # what KV checkpoints are tied to: weights, config, runtime dtype
     kv_cache: str = "float"  # or "<bits>-bit, group <n>" under --kv-bits
 
@@ -195,6 +197,9 @@ def load_model(path: Path, *, model_id: str | None = None, ctx: int | None = Non
     eos = set(tokenizer.eos_token_ids or ())
     if tokenizer.eos_token_id is not None:
         eos.add(tokenizer.eos_token_id)
+    added = getattr(tokenizer, "added_tokens_decoder", None) or {}
+    special = set(getattr(tokenizer, "all_special_ids", None) or ()) | {i for i, t in added.items()
+                                                                         if getattr(t, "special", False)}
     return LoadedModel(
         id=model_id or path.name,
         path=path,
@@ -204,6 +209,7 @@ def load_model(path: Path, *, model_id: str | None = None, ctx: int | None = Non
         quantization=quantization,
         backend=backend,
         eos_token_ids=frozenset(eos),
+        special_token_ids=frozenset(special),
         capabilities=CAPABILITIES + (("reasoning",) if getattr(tokenizer, "has_thinking", False) else ()),
         fingerprint=fingerprint(path, f"{backend}:{quantization}"),
     )

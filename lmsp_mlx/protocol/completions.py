@@ -70,6 +70,9 @@ def parse_completion(body: Any) -> CompletionRequest:
             problem.param = "prompt"
         elif problem.param in ("n", "best_of"):
             problem.detail = f"{problem.param} must be 1: this server returns one choice per request"
+        elif (problem.param or "").startswith("stop"):
+            problem.detail = "stop must be a string or a list of up to 16 strings, each at most 256 characters"
+            problem.param = "stop"
         raise problem from None
     if req.logprobs is not None:
         raise Problem("unsupported_capability", "logprobs are not returned by this server", param="logprobs")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -72,14 +73,26 @@ def _not_json(name: str) -> Any:
     raise ValueError(f"{name} is not a JSON number (RFC 8259)")  # Python's json reads NaN and Infinity
 
 
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
 def decode_json(raw: str | bytes, what: str) -> Any:
-    """`raw` as JSON (a body, a WebSocket message); malformed is 400 `invalid_request`."""
+    """`raw` as JSON (a body, a WebSocket message); malformed is 400 `invalid_request`, and
+    so is a string holding half of a UTF-16 surrogate pair (JSON allows the escape, but it
+    is no text: the tokenizer and the store could not take it)."""
     try:
-        return json.loads(raw, parse_constant=_not_json)
+        value = json.loads(raw, parse_constant=_not_json)
     except (ValueError, UnicodeDecodeError) as exc:
         raise Problem("invalid_request", f"{what} is not valid JSON: {exc}") from None
     except RecursionError:
         raise Problem("invalid_request", f"{what} nests JSON too deeply") from None
+    if _SURROGATE_ESCAPE.search(raw if isinstance(raw, bytes) else raw.encode("utf-8", "surrogatepass")):
+        try:  # only escapes can make one; paired ones are fine
+            json.dumps(value, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError:
+            raise Problem("invalid_request", f"{what} holds a lone UTF-16 surrogate (a \\ud800-\\udfff escape "
+                          "without its pair), which is not text") from None
+    return value
 
 
 async def read_request() -> ResponsesRequest:
