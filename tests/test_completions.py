@@ -55,6 +55,11 @@ def test_the_prompt_is_continued_as_it_is(sdk, tiny_lm):
     for prompt in (ids, [PROMPT], [ids]):
         assert sdk.completions.create(model="tiny", prompt=prompt, max_tokens=16, temperature=0).choices[0].text \
             == choice.text
+    assert ended  # this prompt's reply ends its turn: vLLM's ignore_eos goes on to a benchmark's fixed length
+    longer = sdk.completions.create(model="tiny", prompt=PROMPT, max_tokens=len(expected) + 4, temperature=0,
+                                    extra_body={"ignore_eos": True})
+    assert longer.usage.completion_tokens == len(expected) + 4 and longer.choices[0].finish_reason == "length"
+    assert longer.choices[0].text.startswith(choice.text)
     echoed = sdk.completions.create(model="tiny", prompt=PROMPT, max_tokens=16, temperature=0, echo=True)
     assert echoed.choices[0].text == PROMPT + choice.text
 

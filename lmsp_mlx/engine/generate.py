@@ -74,6 +74,7 @@ class GenerationParams:
     penalties: Penalties | None = None
     seed: int | None = None  # sampling repeats for the same seed, prompt and settings
     raw: bool = False  # a text completion: the sampled text as it is, no reasoning or calls read out of it
+    ignore_eos: bool = False  # vLLM's: the end of turn is sampled like any token (benchmarks' fixed lengths)
 
 
 def prefill(lm: LoadedModel, tokens: list[int], cache: list, step: int, check: Callable[[int, int], None]) -> None:
@@ -234,7 +235,7 @@ def generate(
             reply.append(token)
             if first is None:
                 first = perf_counter()
-            if token in lm.eos_token_ids:
+            if token in lm.eos_token_ids and not params.ignore_eos:
                 reason = "stop"
                 break
             produced += 1

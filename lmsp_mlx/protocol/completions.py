@@ -44,6 +44,7 @@ class CompletionRequest(_Completions):
     logprobs: Annotated[int, Field(ge=0, le=5)] | None = None  # refused: no logprobs here
     suffix: str | None = None  # refused unless empty: no fill-in-the-middle here
     user: str | None = None
+    ignore_eos: bool = False  # vLLM's extension, which `vllm bench serve` sends for fixed output lengths
 
     def one_prompt(self) -> str | list[int]:
         p = self.prompt

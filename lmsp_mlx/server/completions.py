@@ -43,7 +43,8 @@ async def create_completion():
         raise Problem("context_length_exceeded", f"the prompt has {len(tokens)} tokens but the model's context is "
                       f"{lm.context_length} tokens (at least one must remain for the output)", param="prompt")
     params = GenerationParams(prompt=tokens, max_tokens=min(req.max_tokens, room), prefill_step=s.settings.prefill_step,
-                              stop=tuple(req.stops()), raw=True, **sampling(req, lm.vocab_size))
+                              stop=tuple(req.stops()), raw=True, ignore_eos=req.ignore_eos,
+                              **sampling(req, lm.vocab_size))
     job = s.engine.submit(params, "completions", text=text)
     g.generation = True  # the worker logs this request's line
     reply = TextReply(s.engine, job, req, text)
