@@ -79,6 +79,14 @@ class StreamOptions(_Chat):
 
 
 Stop = Annotated[str, Field(max_length=256)]  # longer ones would make each delta's scan slow
+Stops = Union[Stop, Annotated[list[Stop], Field(max_length=16)]]  # Chat's and text completions' `stop`
+STOPS_DETAIL = "stop must be a string or a list of up to 16 strings, each at most 256 characters"
+
+
+def stop_list(stop: str | list[str] | None) -> list[str]:
+    """A `stop` field as the sequences it names (empty ones dropped)."""
+    stops = [stop] if isinstance(stop, str) else (stop or [])
+    return [s for s in stops if s]
 
 
 class ChatRequest(_Chat):
@@ -91,7 +99,7 @@ class ChatRequest(_Chat):
     temperature: Temperature | None = None
     top_p: TopP | None = None
     n: Annotated[int, Field(ge=1, le=1)] | None = None  # one choice: a second would be a second run
-    stop: Union[Stop, Annotated[list[Stop], Field(max_length=16)]] | None = None
+    stop: Stops | None = None
     tools: list[ChatTool] | None = None
     tool_choice: Union[Literal["auto", "none", "required"], dict[str, Any]] | None = None
     response_format: dict[str, Any] | None = None
@@ -106,8 +114,7 @@ class ChatRequest(_Chat):
     function_call: Any = None
 
     def stops(self) -> list[str]:
-        stops = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
-        return [s for s in stops if s]
+        return stop_list(self.stop)
 
 
 def parse_chat(body: Any) -> ChatRequest:
@@ -119,7 +126,7 @@ def parse_chat(body: Any) -> ChatRequest:
         if problem.param == "n":
             problem.detail = "n must be 1: this server returns one choice per request"
         elif (problem.param or "").startswith("stop"):
-            problem.detail = "stop must be a string or a list of up to 16 strings, each at most 256 characters"
+            problem.detail = STOPS_DETAIL
             problem.param = "stop"
         raise problem from None
     if req.logprobs:

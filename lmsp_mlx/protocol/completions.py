@@ -11,12 +11,11 @@ from typing import Annotated, Any, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from .chat import StreamOptions
+from .chat import STOPS_DETAIL, Stops, StreamOptions, stop_list
 from .ids import new_id
 from .problems import Problem
 from .requests import LogitBias, Penalty, Seed, Temperature, TopP, json_object, validation_problem
 
-Stop = Annotated[str, Field(max_length=256)]
 TokenIds = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
 
 
@@ -35,7 +34,7 @@ class CompletionRequest(_Completions):
     best_of: Annotated[int, Field(ge=1, le=1)] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    stop: Union[Stop, Annotated[list[Stop], Field(max_length=16)]] | None = None
+    stop: Stops | None = None
     echo: bool = False
     presence_penalty: Penalty | None = None
     frequency_penalty: Penalty | None = None
@@ -56,8 +55,7 @@ class CompletionRequest(_Completions):
         return p
 
     def stops(self) -> list[str]:
-        stops = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
-        return [s for s in stops if s]
+        return stop_list(self.stop)
 
 
 def parse_completion(body: Any) -> CompletionRequest:
@@ -72,7 +70,7 @@ def parse_completion(body: Any) -> CompletionRequest:
         elif problem.param in ("n", "best_of"):
             problem.detail = f"{problem.param} must be 1: this server returns one choice per request"
         elif (problem.param or "").startswith("stop"):
-            problem.detail = "stop must be a string or a list of up to 16 strings, each at most 256 characters"
+            problem.detail = STOPS_DETAIL
             problem.param = "stop"
         raise problem from None
     if req.logprobs is not None:
