@@ -178,6 +178,12 @@ class Engine:
     def busy(self) -> bool:
         return self._current is not None
 
+    def behind_another(self, job: Job) -> bool:
+        """`job` waits while the worker runs another one: queued, as clients see it (not the
+        instant between its submission and an idle worker taking it)."""
+        current = self._current
+        return not job.started and current is not None and current is not job
+
     def submit(self, params: GenerationParams, route: str, text: str = "", conv: Conversation | None = None,
                visible: str | None = None, keep_history: str | None = None) -> Job:
         job = Job(params=params, route=route, loop=asyncio.get_running_loop(), text=text, conv=conv, visible=visible,

@@ -261,8 +261,8 @@ class ResponseRun:
 
     @property
     def waiting(self) -> bool:
-        """Queued behind other requests: the worker has not taken it yet."""
-        return self.job is not None and not self.job.started and self.status == "in_progress"
+        """Queued behind other requests: the worker runs another one while this waits."""
+        return self.job is not None and self.status == "in_progress" and self.engine.behind_another(self.job)
 
     def stored_request(self) -> dict[str, Any]:
         """The request as the store keeps it: its own input items, not the history before them."""
