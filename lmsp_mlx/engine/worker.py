@@ -179,10 +179,15 @@ class Engine:
         return self._current is not None
 
     def behind_another(self, job: Job) -> bool:
-        """`job` waits while the worker runs another one: queued, as clients see it (not the
-        instant between its submission and an idle worker taking it)."""
+        """`job` waits for another one, running or ahead of it in the queue: queued, as
+        clients see it (not the instant between its submission and an idle worker taking it)."""
+        if job.started:
+            return False
         current = self._current
-        return not job.started and current is not None and current is not job
+        if current is not None and current is not job:
+            return True
+        with self._jobs.mutex:
+            return bool(self._jobs.queue) and self._jobs.queue[0] is not job
 
     def submit(self, params: GenerationParams, route: str, text: str = "", conv: Conversation | None = None,
                visible: str | None = None, keep_history: str | None = None) -> Job:
