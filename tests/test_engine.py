@@ -147,7 +147,7 @@ def test_full_queue_answers_429_with_retry_after(start_server, tiny_model_dir):
         r = httpx.post(server.url + "/lmsp/v1/responses", json=ask(), timeout=30)
         assert r.status_code == 429
         assert r.headers["Retry-After"].isdigit()
-        assert r.json()["code"] == "queue_full"
+        assert r.json()["code"] == "queue_full" and r.json()["detail"].startswith("1 request is already waiting")
         assert "queue_full" in httpx.post(server.url + "/v1/responses", json=ask(), timeout=30).text
     finally:
         busy.stop()

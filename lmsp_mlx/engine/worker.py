@@ -200,7 +200,8 @@ class Engine:
             wait = max(1, math.ceil(self._job_seconds))
             raise Problem(
                 "queue_full",
-                f"{self._jobs.maxsize} requests are already waiting for the model; retry in about {wait} s",
+                f"{self._jobs.maxsize} request{' is' if self._jobs.maxsize == 1 else 's are'} already waiting for "
+                f"the model; retry in about {wait} s",
                 headers={"Retry-After": str(wait)},
             ) from None
         return job
