@@ -7,6 +7,7 @@ detection, UTF-8-safe text pieces and timings.
 
 from __future__ import annotations
 
+import functools
 import logging
 from contextlib import closing
 from dataclasses import dataclass
@@ -50,14 +51,21 @@ class Penalties:
     bias: tuple[tuple[int, float], ...] = ()
 
     def apply(self, reply: mx.array, logits: mx.array) -> mx.array:
-        shift = mx.zeros((logits.shape[-1],), dtype=mx.float32)
-        if self.bias:  # ids were checked against the vocabulary (server/run.py)
-            ids, values = zip(*self.bias)
-            shift = shift.at[mx.array(ids)].add(mx.array(values))
+        shift = self._bias(logits.shape[-1])
         if self.presence or self.frequency:
             counts = mx.zeros_like(shift).at[reply].add(1.0)
             shift = shift - self.frequency * counts - self.presence * (counts > 0)
         return logits + shift.astype(logits.dtype)
+
+    @functools.lru_cache(maxsize=4)
+    def _bias(self, width: int) -> mx.array:
+        """The logit_bias shift over the vocabulary, built once per reply, not per step (ids
+        were checked against the vocabulary in server/run.py)."""
+        shift = mx.zeros((width,), dtype=mx.float32)
+        if self.bias:
+            ids, values = zip(*self.bias)
+            shift = shift.at[mx.array(ids)].add(mx.array(values))
+        return shift
 
 
 @dataclass
