@@ -98,7 +98,7 @@ _decode: ctypes.CDLL | None = None
 
 
 def decode_kernel() -> ctypes.CDLL | None:
-    """The compiled decode step (`decode.c`), quantized MoE experts (`experts.c`) and
+    """The compiled decode step (`decode.c`, one sequence or a batch), quantized MoE experts (`experts.c`) and
     attention over a quantized KV cache (`attention.c`), all OpenMP, or None where they were not built (Linux only; a compiler without OpenMP skips
     them). ctypes releases the GIL while they run."""
     global _decode
@@ -114,6 +114,10 @@ def declare_decode(lib: ctypes.CDLL) -> ctypes.CDLL:
     """`lib` (a build of decode.c, experts.c and attention.c) with its functions' C signatures set."""
     lib.lmsp_decode_step.argtypes = [ctypes.c_void_p, ctypes.c_int32, ctypes.c_int32] + [ctypes.c_void_p] * 4
     lib.lmsp_decode_step.restype = ctypes.c_int
+    lib.lmsp_decode_batch.argtypes = [ctypes.c_void_p, ctypes.c_int32] + [ctypes.c_void_p] * 9
+    lib.lmsp_decode_batch.restype = ctypes.c_int
+    lib.lmsp_decode_batch_scratch.argtypes = [ctypes.c_void_p, ctypes.c_int32, ctypes.c_void_p]
+    lib.lmsp_decode_batch_scratch.restype = ctypes.c_int64
     lib.lmsp_expert_swiglu.argtypes = ([ctypes.c_void_p] * 2 + [ctypes.c_int64] * 3 + [ctypes.c_void_p] * 9
                                        + [ctypes.c_int64] * 2 + [ctypes.c_int] * 3 + [ctypes.c_void_p] * 3)
     lib.lmsp_expert_swiglu.restype = ctypes.c_int

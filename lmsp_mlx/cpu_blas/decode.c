@@ -337,3 +337,170 @@ int lmsp_decode_step(const lmsp_model *m, int32_t token, int32_t pos, const floa
     if (m->kv_bits) free_quantized(&qa);
     return 0;
 }
+
+
+/* ---- the batched step: B sequences in one pass over the weights ----
+ *
+ * Why: a decode step of one sequence is bound by reading the weights (540 MB for
+ * SmolLM2-135M in float32); B sequences stepped one by one read them B times. Here every
+ * weight row is read once for the whole batch: each block of four rows stays in L1 while
+ * it meets every sequence's input, two sequences at a time (eight accumulators).
+ *
+ * Each sequence keeps its own plain float32 cache (the KV session it started from): no
+ * merged batch cache, no padding, its own position. A row's sum runs in the same order as
+ * the one-sequence step's (8-lane FMA over the row, hsum8, then the tail), so a sequence
+ * gets bitwise the logits it gets alone, whatever else is in the batch. */
+
+#if defined(__x86_64__)
+__attribute__((target("avx2,fma"))) static void rows_batch_avx2(const float *w, const float *x, float *y, int64_t r0,
+                                                                int64_t r1, int64_t n, int64_t m, int64_t nb,
+                                                                int add) {
+    int64_t r = r0, n8 = n & ~(int64_t)7;
+    for (; r + 4 <= r1; r += 4) {
+        const float *a = w + r * n, *b = a + n, *c = b + n, *d = c + n;
+        int64_t j = 0;
+        for (; j + 2 <= nb; j += 2) {
+            const float *x0 = x + j * n, *x1 = x0 + n;
+            __m256 a0 = _mm256_setzero_ps(), b0 = a0, c0 = a0, d0 = a0, a1 = a0, b1 = a0, c1 = a0, d1 = a0;
+            for (int64_t i = 0; i < n8; i += 8) {
+                if (j == 0) {
+                    _mm_prefetch((const char *)(a + 4 * n + i), _MM_HINT_T0);
+                    _mm_prefetch((const char *)(b + 4 * n + i), _MM_HINT_T0);
+                    _mm_prefetch((const char *)(c + 4 * n + i), _MM_HINT_T0);
+                    _mm_prefetch((const char *)(d + 4 * n + i), _MM_HINT_T0);
+                }
+                __m256 u = _mm256_loadu_ps(x0 + i), v = _mm256_loadu_ps(x1 + i);
+                __m256 wa = _mm256_loadu_ps(a + i), wb = _mm256_loadu_ps(b + i);
+                __m256 wc = _mm256_loadu_ps(c + i), wd = _mm256_loadu_ps(d + i);
+                a0 = _mm256_fmadd_ps(wa, u, a0), a1 = _mm256_fmadd_ps(wa, v, a1);
+                b0 = _mm256_fmadd_ps(wb, u, b0), b1 = _mm256_fmadd_ps(wb, v, b1);
+                c0 = _mm256_fmadd_ps(wc, u, c0), c1 = _mm256_fmadd_ps(wc, v, c1);
+                d0 = _mm256_fmadd_ps(wd, u, d0), d1 = _mm256_fmadd_ps(wd, v, d1);
+            }
+            float o0[4] = {hsum8(a0), hsum8(b0), hsum8(c0), hsum8(d0)};
+            float o1[4] = {hsum8(a1), hsum8(b1), hsum8(c1), hsum8(d1)};
+            for (int64_t i = n8; i < n; i++) {
+                o0[0] += a[i] * x0[i], o0[1] += b[i] * x0[i], o0[2] += c[i] * x0[i], o0[3] += d[i] * x0[i];
+                o1[0] += a[i] * x1[i], o1[1] += b[i] * x1[i], o1[2] += c[i] * x1[i], o1[3] += d[i] * x1[i];
+            }
+            float *y0 = y + j * m + r, *y1 = y0 + m;
+            for (int k = 0; k < 4; k++) {
+                y0[k] = add ? y0[k] + o0[k] : o0[k];
+                y1[k] = add ? y1[k] + o1[k] : o1[k];
+            }
+        }
+        if (j < nb) rows_avx2(w, x + j * n, y + j * m, r, r + 4, n, add); /* an odd sequence out */
+    }
+    for (int64_t j = 0; j < nb; j++) rows_scalar(w, x + j * n, y + j * m, r, r1, n, add);
+}
+#else
+static void rows_batch_avx2(const float *w, const float *x, float *y, int64_t r0, int64_t r1, int64_t n, int64_t m,
+                            int64_t nb, int add) {
+    for (int64_t j = 0; j < nb; j++) rows_scalar(w, x + j * n, y + j * m, r0, r1, n, add);
+}
+#endif
+
+/* Y = X W^T (+ Y when `add`): X (nb, n), Y (nb, m), W (m, n) row-major; this thread's
+ * share of W's rows, split as gemv_part splits them. */
+static void gemm_part(const float *w, const float *x, float *y, int64_t m, int64_t n, int64_t nb, int add) {
+#ifdef _OPENMP
+    int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
+#else
+    int64_t t = 0, nt = 1;
+#endif
+    int64_t blocks = (m + 3) / 4, per = (blocks + nt - 1) / nt;
+    int64_t r0 = t * per * 4, r1 = (t + 1) * per * 4;
+    if (r1 > m) r1 = m;
+    if (r0 >= r1) return;
+    if (has_avx2()) {
+        rows_batch_avx2(w, x, y, r0, r1, n, m, nb, add);
+    } else {
+        for (int64_t j = 0; j < nb; j++) rows_scalar(w, x + j * n, y + j * m, r0, r1, n, add);
+    }
+}
+
+/* Floats of scratch lmsp_decode_batch needs for `nb` sequences at positions `pos`. */
+int64_t lmsp_decode_batch_scratch(const lmsp_model *m, int32_t nb, const int32_t *pos) {
+    int64_t positions = 0;
+    for (int32_t s = 0; s < nb; s++) positions += (int64_t)pos[s] + 1;
+    return nb * (2 * (int64_t)m->dim + (2 * (int64_t)m->n_heads + 2 * m->n_kv_heads) * m->head_dim +
+                 2 * (int64_t)m->hidden) + (int64_t)m->n_heads * positions;
+}
+
+/*
+ * Logits (nb, vocab) for one token of each of `nb` sequences. Sequence s is at position
+ * pos[s] of its own plain float32 cache: layer l's K and V buffers are keys[s * n_layers + l]
+ * and values[...], each (n_kv_heads, cap[s], head_dim), with room for pos[s] + 1
+ * positions; its K/V at pos[s] are written. cos/sin: (nb, rope_dims / 2), each sequence's
+ * rotation. `scratch` holds lmsp_decode_batch_scratch floats. The model's kv_bits must be 0
+ * (a quantized cache's sequences step alone). Returns 0, or -1 out of memory.
+ */
+int lmsp_decode_batch(const lmsp_model *m, int32_t nb, const int32_t *tokens, const int32_t *pos, const int32_t *cap,
+                      float *const *keys, float *const *values, const float *cos, const float *sin, float *logits,
+                      float *scratch) {
+    const int64_t dim = m->dim, hd = m->head_dim, nh = m->n_heads, nkv = m->n_kv_heads, hidden = m->hidden;
+    const int64_t L = m->n_layers, half = m->rope_dims / 2, group = nh / nkv, B = nb;
+    if (m->kv_bits) return -1;
+    int64_t *score_at = malloc(sizeof(int64_t) * (size_t)(B + 1));
+    if (!score_at) return -1;
+    score_at[0] = 0;
+    for (int64_t s = 0; s < B; s++) score_at[s + 1] = score_at[s] + nh * ((int64_t)pos[s] + 1);
+    float *x = scratch, *h = x + B * dim, *q = h + B * dim, *k = q + B * nh * hd, *v = k + B * nkv * hd;
+    float *att = v + B * nkv * hd, *gate = att + B * nh * hd, *up = gate + B * hidden, *scores = up + B * hidden;
+    for (int64_t s = 0; s < B; s++) memcpy(x + s * dim, m->embed + (int64_t)tokens[s] * dim, (size_t)dim * sizeof(float));
+#pragma omp parallel
+    {
+        for (int64_t l = 0; l < L; l++) {
+            const lmsp_layer *ly = &m->layers[l];
+#pragma omp for schedule(static)
+            for (int64_t s = 0; s < B; s++) rms_norm(x + s * dim, ly->attn_norm, h + s * dim, dim, m->eps);
+            gemm_part(ly->wq, h, q, nh * hd, dim, B, 0);
+            gemm_part(ly->wk, h, k, nkv * hd, dim, B, 0);
+            gemm_part(ly->wv, h, v, nkv * hd, dim, B, 0);
+#pragma omp barrier
+#pragma omp for schedule(static)
+            for (int64_t s = 0; s < B; s++) {
+                float *qs = q + s * nh * hd, *ks = k + s * nkv * hd, *vs = v + s * nkv * hd;
+                add_bias(qs, ly->bq, nh * hd);
+                add_bias(ks, ly->bk, nkv * hd);
+                add_bias(vs, ly->bv, nkv * hd);
+                for (int64_t j = 0; j < nh; j++) rope_head(qs + j * hd, m->rope_dims, cos + s * half, sin + s * half);
+                for (int64_t j = 0; j < nkv; j++) rope_head(ks + j * hd, m->rope_dims, cos + s * half, sin + s * half);
+                for (int64_t j = 0; j < nkv; j++) {
+                    const int64_t row = (j * cap[s] + pos[s]) * hd;
+                    memcpy(keys[s * L + l] + row, ks + j * hd, (size_t)hd * sizeof(float));
+                    memcpy(values[s * L + l] + row, vs + j * hd, (size_t)hd * sizeof(float));
+                }
+            }
+#pragma omp for schedule(dynamic)
+            for (int64_t t = 0; t < B * nh; t++) {
+                const int64_t s = t / nh, j = t % nh, n = (int64_t)pos[s] + 1, kv = j / group;
+                const float *ck = keys[s * L + l] + kv * cap[s] * hd, *cv = values[s * L + l] + kv * cap[s] * hd;
+                float *sc = scores + score_at[s] + j * n;
+                if (has_avx2() && hd % 8 == 0)
+                    attend_avx2(q + t * hd, ck, cv, sc, att + t * hd, n, hd, m->scale);
+                else
+                    attend(q + t * hd, ck, cv, sc, att + t * hd, n, hd, m->scale);
+            }
+            gemm_part(ly->wo, att, x, dim, nh * hd, B, 1);
+#pragma omp barrier
+#pragma omp for schedule(static)
+            for (int64_t s = 0; s < B; s++) rms_norm(x + s * dim, ly->mlp_norm, h + s * dim, dim, m->eps);
+            gemm_part(ly->wgate, h, gate, hidden, dim, B, 0);
+            gemm_part(ly->wup, h, up, hidden, dim, B, 0);
+#pragma omp barrier
+#pragma omp for schedule(static)
+            for (int64_t i = 0; i < B * hidden; i++) {
+                float g = gate[i];
+                gate[i] = g / (1.0f + expf(-g)) * up[i];
+            }
+            gemm_part(ly->wdown, gate, x, dim, hidden, B, 1);
+#pragma omp barrier
+        }
+#pragma omp for schedule(static)
+        for (int64_t s = 0; s < B; s++) rms_norm(x + s * dim, m->final_norm, h + s * dim, dim, m->eps);
+        gemm_part(m->head, h, logits, m->vocab, dim, B, 0);
+    }
+    free(score_at);
+    return 0;
+}

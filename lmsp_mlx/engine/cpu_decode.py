@@ -8,8 +8,10 @@ layers' mlx-lm `KVCache` buffers, whose offsets are then advanced as `update_and
 would.
 
 `install(model)` gives the model a `__call__` that takes this path for a one-token input
-against plain `KVCache`s with room for the token, and MLX's otherwise: prefill, a cache
-about to grow (MLX grows it, the next steps are fast again), sliding-window caches.
+against plain `KVCache`s (grown first where they are full, as MLX grows them), and MLX's
+otherwise: prefill, sliding-window caches.
+It also gets `batch_step` (`BatchStep`): one token for each of several sequences, each on
+its own plain cache, in one pass over the weights (the worker's batched decode steps).
 `--kv-bits` caches (`QuantizedKVCache`, float32 scales) take it too: the step quantizes
 the new K/V row as `mx.quantize` does and runs attention.c's attention over the cache
 inside its own thread team (through MLX such a step ran op by op, 3x slower than a plain
@@ -182,7 +184,11 @@ class DecodeStep:
 
     def __call__(self, token: int, cache: list) -> mx.array | None:
         """Logits (1, 1, vocab) for `token`, its K/V written into `cache`; None where this
-        step must go through MLX (MLX grows a full cache; the next steps are fast again)."""
+        step must go through MLX. A full (or empty) cache is grown first, as MLX grows it: the step
+        stays compiled, so a sequence's logits do not depend on where its cache grew (the
+        batched step grows it the same way)."""
+        if self.compiled.layout(cache) is not None:  # an empty cache gets its first buffer here
+            make_room(cache, 1, self.compiled.spec.n_kv_heads, self.compiled.spec.head_dim)
         pos = self.compiled.bind(cache, 1)
         if pos is None:
             return None
@@ -200,6 +206,74 @@ class DecodeStep:
         for c in cache:
             c.offset += 1
         return mx.array(self.logits)[None, None]
+
+
+def make_room(cache: list, n: int, kv_heads: int, head_dim: int) -> None:
+    """Grow each layer cache that lacks room for `n` more positions, exactly as mlx-lm's
+    `update_and_fetch` does (its step size and layout), without advancing it."""
+    for c in cache:
+        # a QuantizedKVCache's keys are (codes, scales, biases): a tuple, or a list when restored
+        rows = None if c.keys is None else (c.keys[0] if isinstance(c, QuantizedKVCache) else c.keys).shape[2]
+        if rows is None or c.offset + n > rows:
+            zeros = mx.zeros((1, kv_heads, n, head_dim), mx.float32)
+            c.update_and_fetch(zeros, zeros)
+            c.offset -= n
+    mx.eval([(c.keys, c.values) for c in cache])  # the compiled passes write into the evaluated buffers
+
+
+class BatchStep:
+    """The compiled step for several sequences at once (decode.c's `lmsp_decode_batch`):
+    each sequence on its own plain float32 KV cache, the weights read once for all."""
+
+    def __init__(self, lib, compiled: CompiledModel) -> None:
+        self.lib = lib
+        self.compiled = compiled
+        self.scratch = np.empty(0, np.float32)
+
+    def takes(self, cache: list) -> bool:
+        """Whether a sequence on `cache` can ride in the batched step (plain float32 KVCaches)."""
+        found = self.compiled.layout(cache)
+        return found is not None and found[1] == 0
+
+    def __call__(self, tokens: list[int], caches: list[list]) -> mx.array | None:
+        """Logits (B, vocab) for `tokens[i]` fed to `caches[i]`, their K/V written and
+        offsets advanced; None (nothing written) where a cache is not one `takes` takes."""
+        spec = self.compiled.spec
+        layers, count = spec.n_layers, len(tokens)
+        if not all(self.takes(c) for c in caches) or any(not 0 <= t < spec.vocab for t in tokens):
+            return None
+        half = spec.rope_dims // 2
+        pos, cap = np.empty(count, np.int32), np.empty(count, np.int32)
+        cos, sin = np.empty((count, half), np.float32), np.empty((count, half), np.float32)
+        keys, values = (ctypes.c_void_p * (count * layers))(), (ctypes.c_void_p * (count * layers))()
+        views = []  # the buffers' numpy views stay alive through the call
+        for s, cache in enumerate(caches):
+            make_room(cache, 1, spec.n_kv_heads, spec.head_dim)
+            size = None
+            for layer, c in enumerate(cache):
+                k, v = _view(c.keys), _view(c.values)
+                if k is None or v is None or k.shape != v.shape or size not in (None, k.shape[2]):
+                    return None
+                size = k.shape[2]
+                views += (k, v)
+                keys[s * layers + layer], values[s * layers + layer] = k.ctypes.data, v.ctypes.data
+            pos[s], cap[s] = cache[0].offset, size
+            cos[s], sin[s] = (t[0] for t in _rope_tables(int(pos[s]), 1, spec.rope_dims, *self.compiled.rope))
+        need = self.lib.lmsp_decode_batch_scratch(ctypes.byref(spec), count, pos.ctypes.data)
+        if self.scratch.size < need:
+            self.scratch = np.empty(max(need, 2 * self.scratch.size), np.float32)
+        logits = np.empty((count, spec.vocab), np.float32)
+        ids = np.asarray(tokens, np.int32)
+        cpu_blas.park_blas_threads()
+        if self.lib.lmsp_decode_batch(ctypes.byref(spec), count, ids.ctypes.data, pos.ctypes.data, cap.ctypes.data,
+                                      keys, values, cos.ctypes.data, sin.ctypes.data, logits.ctypes.data,
+                                      self.scratch.ctypes.data) != 0:
+            log.warning("compiled batch step: no memory for %d sequences; they step one by one", count)
+            return None
+        for cache in caches:
+            for c in cache:
+                c.offset += 1
+        return mx.array(logits)
 
 
 def _supported(model: nn.Module) -> tuple[nn.Module, nn.RoPE] | None:
@@ -247,6 +321,7 @@ def install(model: nn.Module) -> bool:
     if compiled is None:
         return False
     step = DecodeStep(lib, compiled)
+    batch = BatchStep(lib, compiled)
     base = type(model)
 
     def __call__(self, inputs, cache=None, input_embeddings=None):
@@ -256,5 +331,5 @@ def install(model: nn.Module) -> bool:
                 return logits
         return base.__call__(self, inputs, cache=cache, input_embeddings=input_embeddings)
 
-    model.__class__ = type(base.__name__, (base,), {"__call__": __call__, "decode_step": step})
+    model.__class__ = type(base.__name__, (base,), {"__call__": __call__, "decode_step": step, "batch_step": batch})
     return True

@@ -26,10 +26,9 @@ import ctypes
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
-from mlx_lm.models.cache import QuantizedKVCache
 
 from .. import cpu_blas
-from .cpu_decode import CompiledModel, compile_model
+from .cpu_decode import CompiledModel, compile_model, make_room
 from .cpu_math import _rope_tables
 
 
@@ -41,19 +40,6 @@ class PrefillPass:
         self.compiled = compiled
         self.scratch = np.empty(0, np.float32)
 
-    def _make_room(self, cache: list, n: int) -> None:
-        """Grow each cache that lacks room for `n` more positions, exactly as mlx-lm's
-        `update_and_fetch` does (its step size and layout), without advancing it."""
-        spec = self.compiled.spec
-        for c in cache:
-            # a QuantizedKVCache's keys are (codes, scales, biases): a tuple, or a list when restored
-            rows = None if c.keys is None else (c.keys[0] if isinstance(c, QuantizedKVCache) else c.keys).shape[2]
-            if rows is None or c.offset + n > rows:
-                zeros = mx.zeros((1, spec.n_kv_heads, n, spec.head_dim), mx.float32)
-                c.update_and_fetch(zeros, zeros)
-                c.offset -= n
-        mx.eval([(c.keys, c.values) for c in cache])
-
     def __call__(self, tokens: mx.array, cache: list) -> mx.array | None:
         """Final hidden states (1, n, dim) for `tokens` (1, n), their K/V written into
         `cache`; None where this chunk must go through MLX."""
@@ -61,7 +47,7 @@ class PrefillPass:
         ids = np.ascontiguousarray(np.asarray(tokens, dtype=np.int32)[0])
         if self.compiled.layout(cache) is None or ids.min() < 0 or ids.max() >= self.compiled.spec.vocab:
             return None  # out-of-range ids: what MLX makes of them, never a read outside the table
-        self._make_room(cache, n)
+        make_room(cache, n, self.compiled.spec.n_kv_heads, self.compiled.spec.head_dim)
         pos = self.compiled.bind(cache, n)
         if pos is None:
             return None
