@@ -111,7 +111,8 @@ def attention_flops(config: dict, context: int) -> int:
 
 def time_generation(lm, prompt: list[int], decode: int) -> tuple[float, float]:
     """Prefill and decode tok/s of the server's own generation loop (greedy)."""
-    from lmsp_mlx.engine.generate import GenerationParams, generate
+    from lmsp_mlx.engine.batch import generate
+    from lmsp_mlx.engine.generate import GenerationParams
 
     params = GenerationParams(prompt=prompt, max_tokens=decode, temperature=0.0, prefill_step=2048)
     done = generate(lm, params, emit=lambda event: None, cancelled=lambda: False)

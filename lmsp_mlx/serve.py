@@ -15,7 +15,7 @@ from pathlib import Path
 
 from platformdirs import user_data_dir
 
-from .engine.loader import ModelLoadError
+from .engine.loader import ModelLoadError, backend_name
 from .engine.model_store import DEFAULT_MODEL, ModelStoreError, default_models_dir, ensure_packaged_model
 from .cache.pool import Policy
 from .engine.worker import CacheSettings, Engine
@@ -39,7 +39,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="require 'Authorization: Bearer KEY' (or $LMSP_API_KEY); this key has every scope")
     p.add_argument("--tokens", type=Path, help='tokens file: JSON {"<token>": ["responses:write", ...], ...}')
     p.add_argument("--ctx", type=int, help="context size in tokens (default: the model's trained context)")
-    p.add_argument("--max-queue", type=int, default=16, help="requests that may wait for the model before 429 (default 16)")
+    p.add_argument("--max-batch", type=int,
+                   help="sequences decoded together in one batched step; more wait in the queue (default 8 on CPU, "
+                        "32 on Metal and CUDA)")
+    p.add_argument("--max-queue", type=int, default=16,
+                   help="requests that may wait for a place in the batch before 429 (default 16)")
+    p.add_argument("--max-output-tokens", type=int,
+                   help="output limit of a request that sets none (default: the rest of the context)")
     p.add_argument("--prefill-chunk", type=int,
                    help="prefill chunk in tokens; cancellation is checked between chunks (default 256 on CPU, 2048 on GPU)")
     p.add_argument("--max-body-mb", type=float, default=16.0, help="largest request body in MiB (default 16)")
@@ -74,7 +80,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     kv.add_argument("--kv-group-size", type=int, choices=(32, 64, 128),
                     help="quantization group of --kv-bits (default 64)")
     args = p.parse_args(argv)
-    for name in ("ctx", "max_queue", "prefill_chunk", "max_body_mb", "sse_keepalive", "kv_memory_mb", "kv_disk_space_mb",
+    for name in ("ctx", "max_batch", "max_queue", "max_output_tokens", "prefill_chunk", "max_body_mb", "sse_keepalive", "kv_memory_mb", "kv_disk_space_mb",
                  "kv_checkpoint_min_tokens", "kv_checkpoint_every"):
         value = getattr(args, name)
         if value is not None and value <= 0:
@@ -230,7 +236,9 @@ def main(argv: list[str] | None = None) -> int:
                 model_path = store / args.model
             elif not model_path.exists():
                 return _fail(f"model {str(args.model)!r} does not exist, neither as a path nor in the model store {store}")
-        engine = Engine(model_path, ctx=args.ctx, max_queue=args.max_queue, model_id=args.model_id, cache=_cache_settings(args))
+        engine = Engine(model_path, ctx=args.ctx, max_queue=args.max_queue, model_id=args.model_id,
+                        cache=_cache_settings(args), max_batch=args.max_batch or (8 if backend_name() == "cpu" else 32),
+                        max_output_tokens=args.max_output_tokens)
         lm = engine.start()
     except (ModelStoreError, ModelLoadError) as exc:
         return _fail(str(exc))

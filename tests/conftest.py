@@ -107,6 +107,13 @@ def tiny_server(start_server, tiny_model_dir) -> Server:
 
 
 @pytest.fixture(scope="session")
+def serial_server(start_server, tiny_model_dir) -> Server:
+    """One sequence at a time (`--max-batch 1`): a second request waits behind the first,
+    for the tests of what a client sees while its request is queued."""
+    return start_server("--model", str(tiny_model_dir), "--model-id", "tiny", "--max-batch", "1")
+
+
+@pytest.fixture(scope="session")
 def default_server(start_server) -> Server:
     """The embedded default model, fetched and converted into models/ on first use."""
     return start_server()

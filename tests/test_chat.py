@@ -113,7 +113,7 @@ def test_tool_calls_and_the_turn_after_them_continue_the_live_kv(start_server, c
     messages += [{"role": "tool", "tool_call_id": c.id, "content": json.dumps({"ok": c.function.name})}
                  for c in choice.message.tool_calls]
     second = sdk.chat.completions.create(model="tiny", messages=messages, tools=CHAT_TOOLS, temperature=0, max_tokens=40)
-    held = first.usage.prompt_tokens + first.usage.completion_tokens + 1  # + the end-of-turn token
+    held = first.usage.prompt_tokens + first.usage.completion_tokens  # its end-of-turn token is prefilled next
     assert second.usage.prompt_tokens_details.cached_tokens == held
     assert sources(server)[-1] == "visible"
     # A conversation from elsewhere: a call this server never made, replayed without its
@@ -194,7 +194,7 @@ def test_another_tokens_visible_transcript_does_not_open_its_hidden_state(start_
     theirs = client("mallory").chat.completions.create(model="tiny", messages=messages, tools=CHAT_TOOLS,
                                                        temperature=0, max_tokens=4)
     assert sources(server)[-1] != "visible"
-    held = first.usage.prompt_tokens + first.usage.completion_tokens + 1
+    held = first.usage.prompt_tokens + first.usage.completion_tokens  # its end-of-turn token is prefilled next
     assert theirs.usage.prompt_tokens_details.cached_tokens < held
     mine = client("alice").chat.completions.create(model="tiny", messages=messages, tools=CHAT_TOOLS, temperature=0,
                                                    max_tokens=4)

@@ -67,6 +67,8 @@ def test_corrupt_weights(tmp_path, tiny_model_dir):
 @pytest.mark.parametrize(
     "flags, name",
     [(["--max-queue", "0"], "--max-queue"), (["--max-body-mb", "-1"], "--max-body-mb"),
+     (["--max-batch", "0"], "--max-batch"), (["--max-batch", "-2"], "--max-batch"), (["--max-batch", "x"], "--max-batch"),
+     (["--max-output-tokens", "0"], "--max-output-tokens"),
      (["--port", "70000"], "--port"), (["--ctx", "0"], "--ctx"),
      # nan would turn retention off without a word
      (["--store-retention", "nan"], "--store-retention"), (["--event-retention", "inf"], "--event-retention"),

@@ -1,4 +1,4 @@
-"""The single worker: disconnects stop generation, the bounded queue answers 429."""
+"""The worker: disconnects stop generation, the bounded queue answers 429, shutdown ends every stream."""
 
 from __future__ import annotations
 
@@ -131,7 +131,8 @@ class BusyStream(threading.Thread):
 
 
 def test_full_queue_answers_429_with_retry_after(start_server, tiny_model_dir):
-    server = start_server("--model", str(tiny_model_dir), "--model-id", "tiny", "--max-queue", "1")
+    # One sequence at a time: the stream holds the batch, the waiter the one queue place.
+    server = start_server("--model", str(tiny_model_dir), "--model-id", "tiny", "--max-batch", "1", "--max-queue", "1")
     queued: dict = {}
 
     def wait_in_queue():

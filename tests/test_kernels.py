@@ -17,7 +17,8 @@ from mlx_lm.models.cache import QuantizedKVCache
 from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwitchGLU
 
 from lmsp_mlx import kernels
-from lmsp_mlx.engine.generate import GenerationParams, generate
+from lmsp_mlx.engine.batch import generate
+from lmsp_mlx.engine.generate import GenerationParams
 from lmsp_mlx.engine.loader import load_model
 from lmsp_mlx.kernels import attention as attention_module
 from lmsp_mlx.kernels import cpu as cpu_kernel

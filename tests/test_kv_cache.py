@@ -49,10 +49,12 @@ def sources(server) -> list[str]:
 
 
 def kv_after(resp: dict) -> int:
-    """Tokens the KV holds after a turn: its prompt, its output, and the end-of-turn token
-    when the model stopped by itself (that one is fed back, not counted as output)."""
+    """Tokens the KV holds after a turn: its prompt and every sampled token but the last,
+    which no step fed (the next turn prefills it with its own text). A model that stopped
+    by itself sampled its end-of-turn token last (not counted as output); a reply the
+    limit cut sampled its last output token last."""
     u = resp["usage"]
-    return u["input_tokens"] + u["output_tokens"] + (resp["status"] == "completed")
+    return u["input_tokens"] + u["output_tokens"] - (resp["status"] != "completed")
 
 
 def visible_prompt(model_dir: Path, history: list[dict]) -> list[int]:
@@ -139,17 +141,18 @@ def test_a_shared_prefix_is_copied_and_the_first_session_survives(tiny_kv):
 
 def test_a_bpe_boundary_continues_by_text_prefix_like_a_cold_run(scripted_kv, scripted_dir):
     question = [user("Say it.")]
-    # Cut after three tokens: the KV ends in "<think>", " t", "h".
+    # Cut after three tokens: the KV ends in "<think>", " t" ("h", sampled last, was never fed).
     first = respond(scripted_kv, question, max_output_tokens=3)
     assert first["output"][0]["summary"][0]["text"] == " th"  # inside the reasoning
     # The client continues that text; a fresh tokenization merges " the" into one token,
-    # so the token prefix stops before " t", the text prefix keeps " t", "h" and adds "e".
+    # so the token prefix stops before " t", the text prefix keeps " t" and adds "he".
     history = question + [assistant("<think> the cat"), user("Continue.")]
     nxt = respond(scripted_kv, history)
-    assert cached(nxt) == first["usage"]["input_tokens"] + 3
+    assert cached(nxt) == first["usage"]["input_tokens"] + 2
     assert sources(scripted_kv) == ["cold", "text"]
 
-    from lmsp_mlx.engine.generate import GenerationParams, generate
+    from lmsp_mlx.engine.batch import generate
+    from lmsp_mlx.engine.generate import GenerationParams
     from lmsp_mlx.engine.loader import load_model
 
     lm = load_model(scripted_dir)

@@ -16,7 +16,8 @@ import mlx.core as mx
 import pytest
 from lmsp_mlx.cache.disk import CheckpointStore, read_header
 from lmsp_mlx.cache.pool import Policy, SessionPool, Start
-from lmsp_mlx.engine.generate import GenerationParams, generate, prefill
+from lmsp_mlx.engine.batch import generate
+from lmsp_mlx.engine.generate import GenerationParams, prefill
 from lmsp_mlx.engine.loader import load_model
 from lmsp_mlx.engine.render import render, turn_binding
 

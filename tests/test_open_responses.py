@@ -75,6 +75,15 @@ def test_text_streams_and_objects_follow_the_specification(tiny_server):
     types.ResponseResource.model_validate(stored)
 
 
+def test_the_echoed_tools_say_strict_as_the_schema_requires(tiny_server):
+    tool = {"type": "function", "name": "lookup", "parameters": {"type": "object", "properties": {}}}
+    body = {"model": "tiny", "input": "Count", "temperature": 0, "max_output_tokens": 4, "tool_choice": "none"}
+    for tools, strict in (([tool], None), ([{**tool, "strict": False}], False)):
+        sync = httpx.post(tiny_server.url + "/v1/responses", json={**body, "tools": tools}, timeout=120).json()
+        assert sync["tools"][0]["strict"] is strict  # present, boolean or null
+        types.ResponseResource.model_validate(sync)
+
+
 def test_reasoning_streams_follow_the_specification(start_server, scripted_dir):  # noqa: F811
     server = start_server("--model", str(scripted_dir), "--model-id", "tiny")
     events = check_stream(server, {"model": "tiny", "input": "Lamp?", "temperature": 0, "max_output_tokens": 20})
@@ -156,12 +165,12 @@ def test_input_items_are_listed_and_a_deleted_response_is_gone(tiny_server):
             gone()
 
 
-def test_a_background_response_is_polled_and_cancelled(tiny_server):
+def test_a_background_response_is_polled_and_cancelled(serial_server):
     import time
 
     import openai
 
-    sdk = openai.OpenAI(base_url=tiny_server.url + "/v1", api_key="unused", max_retries=0)
+    sdk = openai.OpenAI(base_url=serial_server.url + "/v1", api_key="unused", max_retries=0)
     short = {"model": "tiny", "input": "Count these tokens", "temperature": 0, "max_output_tokens": 6}
     started = sdk.responses.create(**short, background=True)
     assert started.background and started.status in ("queued", "in_progress") and started.output == []
@@ -234,10 +243,10 @@ def test_a_background_stream_survives_its_client_and_is_resumed(tiny_server):
     assert httpx.get(f"{tiny_server.url}/v1/responses/{response_id}", params={"stream": "true"}).status_code == 404
 
 
-def test_a_cancelled_background_stream_ends_for_every_follower(tiny_server):
+def test_a_cancelled_background_stream_ends_for_every_follower(serial_server):
     import openai
 
-    sdk = openai.OpenAI(base_url=tiny_server.url + "/v1", api_key="unused", max_retries=0)
+    sdk = openai.OpenAI(base_url=serial_server.url + "/v1", api_key="unused", max_retries=0)
     body = {"model": "tiny", "input": "Count these tokens", "temperature": 0, "max_output_tokens": 20000}
     with sdk.responses.create(**body, background=True, stream=True) as stream:
         first = next(iter(stream))

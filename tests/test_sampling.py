@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 from mlx_lm.models.cache import make_prompt_cache
 
-from lmsp_mlx.engine.generate import GenerationParams, Penalties, generate
+from lmsp_mlx.engine.batch import generate
+from lmsp_mlx.engine.generate import GenerationParams, Penalties
 from lmsp_mlx.engine.loader import load_model
 from tiny_model import ENDLESS
 

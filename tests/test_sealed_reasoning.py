@@ -91,7 +91,7 @@ def test_a_replay_continues_live_and_after_all_state_is_gone_prefills_the_true_h
     first = ask(live, [QUESTION]).json()
     calls = [i for i in first["output"] if i["type"] == "function_call"]
     replay = [QUESTION, *first["output"], *outputs_for(calls)]
-    held = first["usage"]["input_tokens"] + first["usage"]["output_tokens"] + 1  # + the end-of-turn token
+    held = first["usage"]["input_tokens"] + first["usage"]["output_tokens"]  # its end-of-turn token is prefilled next
     on_live = ask(live, replay).json()
     assert on_live["usage"]["input_tokens_details"]["cached_tokens"] == held
     assert sources(live) == ["cold", "visible"]

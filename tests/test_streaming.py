@@ -111,7 +111,8 @@ def test_a_stream_waiting_for_the_model_sends_keepalive_comments(start_server, t
 
     from openai import OpenAI
 
-    server = start_server("--model", str(tiny_model_dir), "--model-id", "tiny", "--sse-keepalive", "0.05")
+    server = start_server("--model", str(tiny_model_dir), "--model-id", "tiny", "--sse-keepalive", "0.05",
+                          "--max-batch", "1")
 
     def hold_the_model() -> None:
         task = httpx.post(server.url + "/lmsp/v1/tasks", json={"request": ask(max_output_tokens=100000)}).json()

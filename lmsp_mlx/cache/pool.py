@@ -17,6 +17,10 @@ must be trimmed gives way to a text prefix or a checkpoint that reuses more toke
    its visible-only rendering), when it holds more tokens than the best of 2-3.
 5. `cold`: a new session.
 
+A session that a running sequence holds (`in_use`: the worker decodes several at once) is
+never continued in place by a second request: that request branches a copy of the prefix
+it reuses, so two running sequences never share a cache.
+
 Each decision is logged as one line: `cache_source=<kind> cached=<N> prompt=<M>`.
 Sessions are bounded by bytes (`--kv-memory-mb`); the least recently used go first, to
 disk when the policy says so.
@@ -102,8 +106,9 @@ class SessionPool:
         live continuation (a tool-output-only request) in the log line when it is found.
         `visible`: the visible-only rendering, where `text` is the true history (hidden
         reasoning revealed); the two differ only inside replayed turns."""
-        start = self._lookup(text, tokens, limit, visible or text, owner)
+        start = self._own(self._lookup(text, tokens, limit, visible or text, owner))
         start.owner = owner
+        start.session.in_use = True
         if start.session not in self.sessions:
             start.made = True
             self.sessions.append(start.session)
@@ -112,8 +117,26 @@ class SessionPool:
         log.info("cache_source=%s cached=%d prompt=%d", source, start.cached, len(start.tokens))
         return start
 
+    def _own(self, start: Start) -> Start:
+        """`start`, on a session no running sequence holds: a held one is branched (a copy
+        of the reused prefix), or where it cannot be cut, the request starts cold."""
+        s = start.session
+        if not s.in_use:
+            return start
+        try:
+            branch = s.prefix(start.cached)
+        except ValueError:  # a sliding-window or recurrent cache that moved on while it runs
+            branch = None
+        if branch is None:
+            log.info("kv: the matching session is in use by a running request and cannot be copied: cold start")
+            return Start(Session(cache=self.new_cache()), "cold", 0, start.tokens)
+        cached = len(branch.tokens)
+        return Start(branch, start.source, cached, start.tokens, key_chars=start.key_chars if cached == start.cached else 0,
+                     tail=start.tail if cached == start.cached else "")
+
     def abandon(self, start: Start) -> None:
         """The request will not run: forget a session made for it (a live one stays)."""
+        start.session.in_use = False
         if start.made:
             self._drop(start.session)
 
@@ -202,6 +225,7 @@ class SessionPool:
 
         `generated` are the sampled tokens in order (the KV holds those that were fed back);
         `ok` is False when generation failed and the KV cannot be trusted."""
+        start.session.in_use = False
         if not ok:
             self._drop(start.session)
             return
@@ -303,7 +327,10 @@ class SessionPool:
 
     def _enforce_budget(self, keep: Session) -> None:
         while sum(s.nbytes for s in self.sessions) > self.policy.memory_bytes and len(self.sessions) > 1:
-            victim = min((s for s in self.sessions if s is not keep), key=lambda s: s.last_used)
+            idle = [s for s in self.sessions if s is not keep and not s.in_use]  # running ones stay
+            if not idle:
+                return
+            victim = min(idle, key=lambda s: s.last_used)
             if self.disk is None or not self.policy.checkpoint_on_evict:
                 fate = "dropped: no checkpoints"
             elif len(victim.tokens) <= victim.saved_tokens:

@@ -102,6 +102,7 @@ class Session:
     snapshots: list[Snapshot] = field(default_factory=list)
     saved_tokens: int = 0  # tokens in the newest checkpoint of this session's current line
     last_used: float = field(default_factory=time.monotonic)
+    in_use: bool = False  # a running sequence writes into `cache` (SessionPool.start until finish)
 
     @property
     def nbytes(self) -> int:

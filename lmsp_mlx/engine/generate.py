@@ -1,43 +1,24 @@
-"""The hot loop: prefill the prompt, decode tokens, stream text pieces out.
-
-The prompt is prefilled here in chunks (cancellation is checked between them) and the
-first token sampled here; mlx-lm's `generate_step` then decodes with async evaluation. Around it: end-of-turn
-detection, UTF-8-safe text pieces and timings.
-"""
+"""What a reply is generated with: its settings (`GenerationParams`, `Penalties`), and the
+model-level pieces a sequence uses: prefill of prompt chunks through the model's body,
+the pass that gives a prompt's last logits, and a detokenizer set to continue a prompt's
+text."""
 
 from __future__ import annotations
 
 import functools
 import logging
-from contextlib import closing
 from dataclasses import dataclass
-from time import perf_counter
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.generate import generate_step
-from mlx_lm.models.cache import make_prompt_cache
-from mlx_lm.sample_utils import make_sampler
 from mlx_lm.tokenizer_utils import BPEStreamingDetokenizer, SPMStreamingDetokenizer
 
-from .events import Finished, GenerationEvent, TextDelta, Usage
 from .loader import LoadedModel
 
 log = logging.getLogger("lmsp_mlx.engine")
 
 LONG_PREFILL = 1024  # prompts at least this long log their prefill progress
-
-
-class Cancelled(Exception):
-    """The client went away; raised between prefill chunks or decode steps."""
-
-    def __init__(self, prefilled: int = 0, produced: int = 0, prefill_tps: float = 0.0, decode_tps: float = 0.0) -> None:
-        super().__init__(f"cancelled after {prefilled} prompt and {produced} output tokens")
-        self.prefilled = prefilled
-        self.produced = produced
-        self.prefill_tps = prefill_tps  # the rates until then, for the request's log line
-        self.decode_tps = decode_tps
 
 
 @dataclass(frozen=True)
@@ -74,7 +55,7 @@ class GenerationParams:
     max_tokens: int
     temperature: float = 1.0
     top_p: float = 1.0
-    prefill_step: int = 256
+    prefill_step: int = 256  # tokens per prompt chunk (--prefill-chunk): at most this delays the batch per step
     cached: int = 0  # leading prompt tokens already in the cache passed to generate()
     constraint: Any = None  # constrain.Constraint: a grammar the output must follow
     one_call: bool = False  # parallel_tool_calls false: the turn ends with its first tool call
@@ -144,132 +125,3 @@ def continue_after(detokenizer, token: int) -> None:
     if isinstance(detokenizer, (BPEStreamingDetokenizer, SPMStreamingDetokenizer)):
         detokenizer.finalize()  # a held-back space or partial character is the prompt's
     detokenizer.last_segment
-
-
-def sample_tokens(lm: LoadedModel, tail: list[int], cache: list, sampler, max_tokens: int, constraint=None,
-                  penalties: Penalties | None = None, seed: int | None = None) -> Iterator[int]:
-    """Tokens after the prefilled cache, starting with the prompt's unprefilled `tail`.
-
-    The first two are sampled synchronously: generate_step computes a step ahead before it
-    yields, so its first token came after two decode steps (measured: +87 ms on the CPU)
-    and its second after about 1.7. A reasoning reply's first visible event (its first
-    reasoning text) needs the second token. The rest come from generate_step's pipelined
-    loop."""
-    key = None
-    if seed is not None:  # the worker samples one reply at a time: the global key is this reply's alone
-        key = mx.random.state[0].tolist()  # as it was: mx.random.key(s) is [s >> 32, s & 0xffffffff]
-        mx.random.seed(seed % 2**64)
-    try:
-        inputs, reply = tail, []
-        while len(reply) < min(max_tokens, 2):
-            logits = last_logits(lm, inputs, cache)
-            if constraint is not None:
-                logits = constraint.apply(logits)
-            if penalties is not None:
-                logits = penalties.apply(mx.array(reply, dtype=mx.int32), logits)
-            sampled = sampler(logits - mx.logsumexp(logits, keepdims=True))
-            token = sampled.item()
-            if constraint is not None:
-                constraint.consume(token)
-            reply.append(token)
-            inputs = [token]
-            yield token
-        if max_tokens > len(reply):
-            processors = [constraint] if constraint is not None else []
-            if penalties is not None:  # generate_step's tokens start at its input, the last token above
-                head = mx.array(reply[:-1], dtype=mx.int32)
-                processors.append(lambda tokens, logits: penalties.apply(mx.concatenate([head, tokens]), logits))
-            for t, _ in generate_step(mx.array([token]), lm.model, prompt_cache=cache, sampler=sampler,
-                                      max_tokens=max_tokens - len(reply), logits_processors=processors or None):
-                yield t
-    finally:
-        if key is not None:  # unseeded replies after it stay unpredictable (the state is not assignable)
-            mx.random.seed(key[0] << 32 | key[1])
-
-
-def generate(
-    lm: LoadedModel,
-    params: GenerationParams,
-    emit: Callable[[GenerationEvent], None],
-    cancelled: Callable[[], bool],
-    cache: list | None = None,
-    sampled: list[int] | None = None,
-    whole: Callable[[], bool] = lambda: False,
-) -> Finished:
-    """Prefill `params.prompt` after its cached part into `cache` (a new one if None), then
-    decode. Every sampled token, end-of-turn included, is appended to `sampled`. `whole()`
-    says, after a token's text was emitted, that the reply needs nothing more (its one
-    call is made): the turn then ends `complete`."""
-    sampled = [] if sampled is None else sampled
-
-    def check(done: int, total: int) -> None:
-        if cancelled():
-            raise Cancelled(prefilled=params.cached + done, prefill_tps=done / max(perf_counter() - start, 1e-9))
-        if total >= LONG_PREFILL and 0 < done < total:
-            log.info("prefill %d/%d tokens", done, total)
-
-    start = perf_counter()
-    cache = make_prompt_cache(lm.model) if cache is None else cache
-    if params.max_tokens == 0:  # a prewarm (generate: false): the whole prompt into the KV, nothing sampled
-        prefill(lm, params.prompt[params.cached:], cache, params.prefill_step, check)
-        n = len(params.prompt)
-        return Finished(reason="stop", usage=Usage(input_tokens=n, output_tokens=0, cached_tokens=params.cached),
-                        prefill_tps=(n - params.cached) / max(perf_counter() - start, 1e-9))
-    # The last prefill chunk (up to 64 tokens) goes through the whole model, in the pass
-    # that also gives the first token's logits: an agent's short suffix takes one pass. With
-    # the CPU's compiled decode step a longer prompt leaves only its last token for that
-    # pass: a one-token step (25-40 ms) is cheaper than a 64-row pass, which runs at a
-    # fraction of a full chunk's matmul rate (512-token prompts: 5-12% faster).
-    new = len(params.prompt) - params.cached
-    tail = max(1, min(new % params.prefill_step or params.prefill_step, new, 64))
-    if new > 64 and hasattr(lm.model, "decode_step"):
-        tail = 1
-    prefill(lm, params.prompt[params.cached : -tail], cache, params.prefill_step, check)
-    sampler = make_sampler(temp=params.temperature, top_p=params.top_p if params.top_p < 1 else 0.0)
-    detokenizer = lm.tokenizer.detokenizer
-    skip: frozenset[int] = frozenset()  # tokens with no text in the reply
-    if params.raw:
-        continue_after(detokenizer, params.prompt[-1])
-        skip = lm.special_token_ids  # as vLLM's skip_special_tokens
-    first = None
-    reason = "length"
-    produced = 0
-    reply: list[int] = []
-    tokens = sample_tokens(lm, params.prompt[-tail:], cache, sampler, params.max_tokens, params.constraint,
-                           params.penalties, params.seed)
-    with closing(tokens):  # a seeded reply gives the random key back before anything else samples
-        for token in tokens:
-            sampled.append(token)
-            reply.append(token)
-            if first is None:
-                first = perf_counter()
-            if token in lm.eos_token_ids and not params.ignore_eos:
-                reason = "stop"
-                break
-            produced += 1
-            if token not in skip:
-                detokenizer.add_token(token)
-            if piece := detokenizer.last_segment:
-                emit(TextDelta(piece))
-            if cancelled():
-                now = perf_counter()
-                raise Cancelled(prefilled=len(params.prompt), produced=produced,
-                                prefill_tps=(len(params.prompt) - params.cached) / max(first - start, 1e-9),
-                                decode_tps=(produced - 1) / (now - first) if produced > 1 and now > first else 0.0)
-            if whole():
-                reason = "complete"
-                break
-    detokenizer.finalize()
-    if piece := detokenizer.last_segment:
-        emit(TextDelta(piece))
-    if reason == "length" and params.constraint is not None and params.constraint.complete_after(reply):
-        reason = "complete"  # a call or JSON value that closed on the limit's last token is whole
-    end = perf_counter()
-    first = first or end
-    prompt_len = len(params.prompt)
-    return Finished(
-        reason=reason,
-        usage=Usage(input_tokens=prompt_len, output_tokens=produced, cached_tokens=params.cached),
-        prefill_tps=(prompt_len - params.cached) / max(first - start, 1e-9),
-        decode_tps=(produced - 1) / (end - first) if produced > 1 and end > first else 0.0,
-    )

@@ -41,6 +41,7 @@ class LoadedModel:
     special_token_ids: frozenset[int] = field(default_factory=frozenset)
     fingerprint: str = ""  # what KV checkpoints are tied to: weights, config, runtime dtype
     kv_cache: str = "float"  # or "<bits>-bit, group <n>" under --kv-bits
+    default_max_output_tokens: int | None = None  # --max-output-tokens: a request's limit when it sets none
 
     @property
     def vocab_size(self) -> int | None:
@@ -56,6 +57,8 @@ class LoadedModel:
             "quantization": self.quantization,
             "backend": self.backend,
             "kv_cache": self.kv_cache,
+            # what a request that sets no output limit gets (null: the rest of the context)
+            "default_max_output_tokens": self.default_max_output_tokens,
         }
         if self.backend == "cpu":
             from ..cpu_blas import status

@@ -1,10 +1,15 @@
 """The one worker thread that owns the model.
 
 MLX arrays, the model and the KV sessions live on this thread only: it loads the model,
-then runs queued jobs one at a time, each starting from the KV state the session pool picks
-(lmsp_mlx/cache). Requests talk to it through `Job`s: a bounded queue in, an asyncio queue
-of `GenerationEvent`s out (handed over with `call_soon_threadsafe`). On stop it checkpoints
-the resident sessions.
+then serves up to `max_batch` jobs at once, each a `Sequence` on its own KV session, picked
+by the session pool's lookup order (lmsp_mlx/cache). The loop runs in steps: jobs waiting
+join at a step boundary, the clients that left are dropped, one prompt chunk runs, then one
+decode step for every sequence that waits for a token (engine/batch.py). A job that
+arrives while the batch is full waits in the bounded queue; beyond it, `QueueFull`.
+
+Requests talk to it through `Job`s: the queue in, an asyncio queue of `GenerationEvent`s
+out (handed over with `call_soon_threadsafe`). On stop every sequence ends cancelled and
+the resident sessions are checkpointed.
 """
 
 from __future__ import annotations
@@ -26,8 +31,11 @@ from ..cache.disk import CheckpointStore
 from ..cache.pool import Policy, SessionPool
 from ..protocol.problems import Problem
 from .events import Failed, Finished, GenerationEvent, TextDelta, Usage
-from .generate import Cancelled, GenerationParams, generate
+from ..cache.pool import Start
+from .batch import Batch, next_prefill
+from .generate import GenerationParams
 from .loader import LoadedModel, ModelLoadError, load_model
+from .sequence import Phase, Sequence
 from .turn import Conversation, TurnOutput
 
 log = logging.getLogger("lmsp_mlx.engine")
@@ -80,6 +88,17 @@ class Job:
                 return
 
 
+@dataclass(eq=False)
+class Running:
+    """A job the worker has taken: its session's start, its sequence and its turn."""
+
+    job: Job
+    start: Start
+    seq: Sequence
+    turn: TurnOutput
+    began: float
+
+
 # Finished.reason -> the response status clients see, used in logs and metrics.
 _STATUS = {"stop": "completed", "complete": "completed", "length": "incomplete", "cancelled": "cancelled"}
 
@@ -104,7 +123,7 @@ class CacheSettings:
 
 class Engine:
     def __init__(self, model_path: Path, *, ctx: int | None, max_queue: int, model_id: str | None = None,
-                 cache: CacheSettings = CacheSettings()):
+                 cache: CacheSettings = CacheSettings(), max_batch: int = 8, max_output_tokens: int | None = None):
         self._path = model_path
         self._ctx = ctx
         self._model_id = model_id
@@ -116,7 +135,9 @@ class Engine:
         self._error: Exception | None = None
         self.model: LoadedModel | None = None
         self.counters = Counters()
-        self._current: Job | None = None
+        self.max_batch = max_batch
+        self._max_output = max_output_tokens  # the limit of a request that sets none (None: the context)
+        self._active: list[Running] = []  # the worker thread's; others only read a copy
         self._job_seconds = 1.0  # a moving average of the time a job holds the worker (for Retry-After)
         self._thread = threading.Thread(target=self._run, name="lmsp-worker", daemon=True)
 
@@ -129,23 +150,21 @@ class Engine:
         assert self.model is not None
         return self.model
 
-    def cancel_all(self) -> None:
-        """Shutdown: the running job stops at its next step, waiting ones end as they are taken."""
-        if self._current is not None:
-            self._current.cancel()
+    def _jobs_now(self) -> list[Job]:
+        """The running jobs, then the waiting ones."""
         with self._jobs.mutex:
-            waiting = list(self._jobs.queue)
-        for job in waiting:
-            if job is not None:
-                job.cancel()
+            waiting = [j for j in self._jobs.queue if j is not None]
+        return [r.job for r in list(self._active)] + waiting
+
+    def cancel_all(self) -> None:
+        """Shutdown: the running sequences stop at the next step, waiting ones end as they are taken."""
+        for job in self._jobs_now():
+            job.cancel()
 
     def abandon_all(self) -> None:
-        """Shutdown: end every job's stream now (Job.abandon), the worker's included."""
-        with self._jobs.mutex:
-            jobs = [self._current, *self._jobs.queue]
-        for job in jobs:
-            if job is not None:
-                job.abandon()
+        """Shutdown: end every job's stream now (Job.abandon), the running ones included."""
+        for job in self._jobs_now():
+            job.abandon()
 
     def stop(self) -> None:
         """Cancel everything and end the worker thread."""
@@ -175,19 +194,25 @@ class Engine:
         return self._jobs.qsize()
 
     @property
+    def running(self) -> int:
+        """Sequences in the batch now."""
+        return len(self._active)
+
+    @property
     def busy(self) -> bool:
-        return self._current is not None
+        return bool(self._active)
 
     def behind_another(self, job: Job) -> bool:
-        """`job` waits for another one, running or ahead of it in the queue: queued, as
-        clients see it (not the instant between its submission and an idle worker taking it)."""
+        """`job` waits for a slot in the batch: queued, as clients see it (not the instant
+        between its submission and the worker taking it into a batch with room)."""
         if job.started:
             return False
-        current = self._current
-        if current is not None and current is not job:
-            return True
         with self._jobs.mutex:
-            return bool(self._jobs.queue) and self._jobs.queue[0] is not job
+            try:
+                ahead = list(self._jobs.queue).index(job)
+            except ValueError:
+                return False
+        return len(self._active) + ahead >= self.max_batch
 
     def submit(self, params: GenerationParams, route: str, text: str = "", conv: Conversation | None = None,
                visible: str | None = None, keep_history: str | None = None) -> Job:
@@ -210,22 +235,29 @@ class Engine:
         try:
             self.model = load_model(self._path, model_id=self._model_id, ctx=self._ctx)
             self.pool = self._make_pool(self.model)
+            self.model.default_max_output_tokens = self._max_output
+            self._batch = Batch(self.model)
         except Exception as exc:
             self._error = exc
             return
         finally:
             self._ready.set()
-        while (job := self._jobs.get()) is not None:
-            self._current = job
-            job.started = True
-            began = time.monotonic()
+        log.info("batch: up to %d sequences decode together (--max-batch)", self.max_batch)
+        stopping = False
+        while not (stopping and not self._active):
+            if not self._active and not stopping:  # idle: wait for work
+                stopping = not self._admit(self._jobs.get())
+            while not stopping and len(self._active) < self.max_batch:  # joins at this step boundary
+                try:
+                    stopping = not self._admit(self._jobs.get_nowait())
+                except queue.Empty:
+                    break
             try:
-                self._run_job(job)
-            except Exception as exc:  # a bug must fail one request, never the worker
-                log.exception("job failed")
-                job.emit(Failed(f"internal error: {type(exc).__name__}: {exc}"))
-            self._current = None
-            self._job_seconds = 0.8 * self._job_seconds + 0.2 * (time.monotonic() - began)
+                self._step()
+            except Exception as exc:  # a bug must fail the requests it touched, never the worker
+                log.exception("a batch step failed: its sequences fail, the worker goes on")
+                for run in list(self._active):
+                    self._fail(run, exc)
         self.pool.close()
 
     def _make_pool(self, lm: LoadedModel) -> SessionPool:
@@ -250,14 +282,58 @@ class Engine:
                                      f"does not fit {lm.id}: {exc}") from None
         return pool
 
-    def _run_job(self, job: Job) -> None:
+    # -- one step of the batch -----------------------------------------------------------------
+
+    def _step(self) -> None:
+        """Drop the sequences whose clients left, run one prompt chunk, then one decode step
+        for every sequence that waits for a token."""
+        for run in [r for r in self._active if r.job.cancelled]:
+            self._end(run, run.seq.cancel())
+        if (seq := next_prefill([r.seq for r in self._active])) is not None:
+            run = next(r for r in self._active if r.seq is seq)
+            try:
+                seq.prefill_chunk(run.job.params.prefill_step)
+            except Exception as exc:
+                self._fail(run, exc)
+            else:
+                if seq.phase is Phase.DONE:
+                    self._end(run, seq.result)
+        decoding = [r for r in self._active if r.seq.phase is Phase.DECODE]
+        if decoding:
+            failed = self._batch.step([r.seq for r in decoding])
+            for run in decoding:
+                if run.seq in failed:
+                    self._fail(run, failed[run.seq])
+                elif run.seq.phase is Phase.DONE:
+                    self._end(run, run.seq.result)
+
+    # -- a request joins ----------------------------------------------------------------------
+
+    def _admit(self, job: Job | None) -> bool:
+        """Start `job`'s sequence from the KV state the pool picks; False for the stop sign."""
+        if job is None:
+            return False
+        job.started = True
+        try:
+            run = self._begin(job)
+        except Exception as exc:  # a bug must fail one request, never the worker
+            log.exception("job failed")
+            job.emit(Failed(f"internal error: {type(exc).__name__}: {exc}"))
+            return True
+        if run is not None:
+            self._active.append(run)
+            if run.seq.phase is Phase.DONE:  # a prewarm with nothing left to prefill
+                self._end(run, run.seq.result)
+        return True
+
+    def _begin(self, job: Job) -> Running | None:
         lm, pool = self.model, self.pool
         assert lm is not None and pool is not None
         if job.cancelled:
             n = len(job.params.prompt)
             job.emit(Finished("cancelled", Usage(n, 0)))
             self._log(job, lm, "cancelled", Usage(n, 0), 0.0, 0.0, f" prefilled=0/{n}")
-            return
+            return None
         label = f"tool-output ids={len(job.conv.live_calls)}" if job.conv and job.conv.live_calls else None
         start = pool.start(job.text, job.params.prompt, limit=lm.context_length - 1, label=label, visible=job.visible,
                            owner=job.conv.owner if job.conv else LOCAL_OWNER)
@@ -268,15 +344,15 @@ class Engine:
             job.emit(Failed("the live state of these tool calls is gone (another request replaced it); "
                             "send the full conversation instead", code="continuation_state_unavailable"))
             self._log(job, lm, "failed", Usage(len(job.params.prompt), 0), 0.0, 0.0)
-            return
+            return None
         params = replace(
             job.params, prompt=start.tokens, cached=start.cached,
             max_tokens=min(job.params.max_tokens, lm.context_length - len(start.tokens)),
         )
         conv = job.conv or Conversation(items=[])
         sampled: list[int] = []
-        turn = TurnOutput(lm.tokenizer, conv, job.text, job.emit, sampled, one_call=job.params.one_call,
-                          stop=job.params.stop, raw=job.params.raw)
+        turn = TurnOutput(lm.tokenizer, conv, job.text, job.emit, sampled, one_call=params.one_call,
+                          stop=params.stop, raw=params.raw)
 
         def emit(event: GenerationEvent) -> None:
             if isinstance(event, TextDelta):
@@ -284,26 +360,35 @@ class Engine:
             else:
                 job.emit(event)
 
-        prompt_len, extra, binding, calls = len(start.tokens), "", None, None
         try:
-            done = generate(lm, params, emit, lambda: job.cancelled, cache=start.session.cache, sampled=sampled,
-                            whole=lambda: params.one_call and bool(turn.calls) or turn.stopped)
-        except Cancelled as stop:
-            done = Finished("cancelled", Usage(prompt_len, stop.produced, start.cached), stop.prefill_tps, stop.decode_tps)
-            extra = f" prefilled={stop.prefilled}/{prompt_len}"
-        except Exception as exc:  # the request fails, the worker keeps serving
-            log.exception("generation failed")
-            pool.finish(start, sampled, ok=False, binding=None)
-            job.emit(Failed(f"generation failed: {type(exc).__name__}: {exc}"))
-            self._log(job, lm, "failed", Usage(prompt_len, 0), 0.0, 0.0)
-            return
-        if done.reason != "cancelled":
-            turn.finish(cut=done.reason == "length")
-            done = replace(done, usage=replace(done.usage, reasoning_tokens=turn.reasoning_tokens(done.usage.output_tokens)))
+            seq = Sequence(lm, params, start.session.cache, emit, sampled=sampled,
+                           whole=lambda: params.one_call and bool(turn.calls) or turn.stopped)
+        except Exception:
+            pool.abandon(start)
+            raise
+        return Running(job, start, seq, turn, time.monotonic())
+
+    # -- a request ends -----------------------------------------------------------------------
+
+    def _end(self, run: Running, done: Finished) -> None:
+        """Emit the ending, then today's bookkeeping: binding, remembered calls, the session."""
+        self._active.remove(run)
+        self._batch.release(run.seq)  # its cache back in its own form, for the session pool
+        job, start, turn, lm = run.job, run.start, run.turn, self.model
+        extra, binding, calls = "", None, None
+        try:
+            if done.reason == "cancelled":
+                extra = f" prefilled={run.seq.prefilled}/{len(start.tokens)}"
+            else:
+                turn.finish(cut=done.reason == "length")
+                done = replace(done, usage=replace(done.usage,
+                                                   reasoning_tokens=turn.reasoning_tokens(done.usage.output_tokens)))
+        except Exception as exc:
+            return self._fail(run, exc, listed=False)
         job.emit(done)
-        if done.reason != "cancelled" and job.conv is not None and params.max_tokens > 0:  # a prewarm has no turn
+        if done.reason != "cancelled" and job.conv is not None and run.seq.params.max_tokens > 0:  # a prewarm has no turn
             calls = None if turn.dropped else turn.remember(self.calls)  # its sampled text is not the reply's
-            ended = lm.tokenizer.decode(sampled[-1:]) if done.reason == "stop" else ""
+            ended = lm.tokenizer.decode(run.seq.sampled[-1:]) if done.reason == "stop" else ""
             try:
                 # A reply that dropped sampled text (TurnOutput.dropped) is not what the KV
                 # holds: bound to its transcript, a replay would continue hidden text.
@@ -311,9 +396,24 @@ class Engine:
             except Exception:  # the reply is out; without a binding only the next lookup is slower
                 log.exception("the turn's visible transcript could not be rendered")
         self._log(job, lm, _STATUS[done.reason], done.usage, done.prefill_tps, done.decode_tps, extra)
-        pool.finish(start, sampled, ok=True, binding=binding, calls=calls)
+        self.pool.finish(start, run.seq.sampled, ok=True, binding=binding, calls=calls)
         if job.keep_history and done.reason != "cancelled":
-            pool.keep_history(start, job.keep_history)
+            self.pool.keep_history(start, job.keep_history)
+        self._job_seconds = 0.8 * self._job_seconds + 0.2 * (time.monotonic() - run.began)
+
+    def _fail(self, run: Running, exc: Exception, listed: bool = True) -> None:
+        """This sequence failed: its client hears why, its session (half-written) is dropped,
+        and the batch goes on without it."""
+        if listed:
+            self._active.remove(run)
+        try:
+            self._batch.release(run.seq)
+        except Exception:  # its session is dropped below anyway
+            log.exception("the failed sequence's cache could not be handed back")
+        log.error("generation failed: %s: %s", type(exc).__name__, exc, exc_info=exc)
+        self.pool.finish(run.start, run.seq.sampled, ok=False, binding=None)
+        run.job.emit(Failed(f"generation failed: {type(exc).__name__}: {exc}"))
+        self._log(run.job, self.model, "failed", Usage(len(run.start.tokens), 0), 0.0, 0.0)
 
     def _log(self, job: Job, lm: LoadedModel, status: str, usage: Usage, prefill: float, decode: float, extra: str = "") -> None:
         c = self.counters

@@ -140,6 +140,12 @@ def v1_input_item(item: dict[str, Any], key: str) -> dict[str, Any]:
     return out
 
 
+def v1_tool(tool: dict[str, Any]) -> dict[str, Any]:
+    """A tool as the response object echoes it: Open Responses requires `strict` (a
+    boolean or null) on every function tool, so validating clients reject it missing."""
+    return {**tool, "strict": tool.get("strict")} if tool.get("type") == "function" else tool
+
+
 def v1_response(resp: ResponseObject, request: Any, completed_at: int | None) -> dict[str, Any]:
     """The same response as OpenAI-style clients expect it on /v1/responses."""
     # Items before the last one ended when the next began; the last one shares the end.
@@ -182,7 +188,7 @@ def v1_response(resp: ResponseObject, request: Any, completed_at: int | None) ->
         "text": {"format": text.get("format") or {"type": "text"},
                  **({"verbosity": text["verbosity"]} if "verbosity" in text else {})},
         "tool_choice": request.tool_choice or "auto",
-        "tools": request.tools or [],
+        "tools": [v1_tool(t) for t in request.tools or []],
         "truncation": request.truncation or "disabled",
         "service_tier": "default",
         "prompt_cache_key": request.prompt_cache_key,

@@ -103,6 +103,8 @@ def create_app(engine: Engine, settings: ServerSettings, tokens: Tokens, db: Dat
         lines = [
             "# TYPE lmsp_queue_depth gauge", f"lmsp_queue_depth {engine.queued}",
             "# TYPE lmsp_busy gauge", f"lmsp_busy {int(engine.busy)}",
+            "# TYPE lmsp_batch_sequences gauge", f"lmsp_batch_sequences {engine.running}",
+            "# TYPE lmsp_batch_max gauge", f"lmsp_batch_max {engine.max_batch}",
             "# TYPE lmsp_requests_total counter",
             *(f'lmsp_requests_total{{status="{k}"}} {v}' for k, v in sorted(c.requests.items())),
             "# TYPE lmsp_prompt_tokens_total counter", f"lmsp_prompt_tokens_total {c.prompt_tokens}",

@@ -162,10 +162,11 @@ class ResponseRun:
                 param="input",
             )
         room = ctx - n
-        self.limited_by_context = self.req.max_output_tokens is None or self.req.max_output_tokens > room
+        limit = self.req.max_output_tokens or lm.default_max_output_tokens  # --max-output-tokens, where it sets none
+        self.limited_by_context = limit is None or limit > room
         params = GenerationParams(
             prompt=prompt.tokens,
-            max_tokens=0 if self.req.generate is False else min(self.req.max_output_tokens or room, room),
+            max_tokens=0 if self.req.generate is False else min(limit or room, room),
             prefill_step=self.prefill_step,
             constraint=constraint,
             one_call=self.req.parallel_tool_calls is False,

@@ -1,0 +1,204 @@
+"""One reply being generated, as the batch sees it: its own KV cache, its own sampling.
+
+A `Sequence` moves through two phases. In `PREFILL` its prompt goes into its cache in
+chunks the worker hands out one at a time, so a long prompt never holds the others for
+more than a chunk; its tail then either gives the first token in one pass, or (the CPU's
+compiled step) is the last prompt token, left for the first decode step. In `DECODE` it
+waits for the next batched step to feed its pending token and give back its logits row;
+`take` samples from that row with the sequence's own settings and turns the token into
+text. It is `DONE` once it holds its `Finished`.
+
+Invariants: the cache holds `prompt[:cursor]` in PREFILL and `prompt + reply[:-1]` in
+DECODE (the last sampled token is fed by the next step, so a reply that ends leaves it
+unfed: the session pool accounts for that). Nothing here knows about other sequences:
+the batch (engine/batch.py) only calls `prefill_chunk`, reads `pending` and calls `take`.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+from dataclasses import dataclass, field
+from time import perf_counter
+from typing import Callable
+
+import mlx.core as mx
+from mlx_lm.sample_utils import apply_top_p
+
+from .events import Finished, GenerationEvent, TextDelta, Usage
+from .generate import LONG_PREFILL, GenerationParams, continue_after, last_logits, prefill
+from .loader import LoadedModel
+
+log = logging.getLogger("lmsp_mlx.engine")
+
+
+class Phase(enum.Enum):
+    PREFILL = "prefill"
+    DECODE = "decode"
+    DONE = "done"
+
+
+class Sampler:
+    """A sequence's own sampling: grammar mask, penalties and logit_bias, temperature and
+    top_p, and with a `seed` its own random key chain, so a seeded reply gives the same
+    tokens whatever runs beside it and leaves the global random state alone."""
+
+    def __init__(self, params: GenerationParams) -> None:
+        self.temperature = params.temperature
+        self.top_p = params.top_p
+        self.constraint = params.constraint
+        self.penalties = params.penalties
+        self._key = mx.random.key(params.seed % 2**64) if params.seed is not None else None
+
+    def __call__(self, logits: mx.array, reply: list[int]) -> int:
+        """The next token after `reply`, from this step's logits (1, vocab)."""
+        if self.constraint is not None:
+            logits = self.constraint.apply(logits)
+        if self.penalties is not None:
+            logits = self.penalties.apply(mx.array(reply, dtype=mx.int32), logits)
+        if self.temperature == 0:
+            token = int(mx.argmax(logits, axis=-1).item())
+        else:
+            logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+            if self.top_p < 1:
+                logprobs = apply_top_p(logprobs, self.top_p)
+            key = None
+            if self._key is not None:
+                self._key, key = mx.random.split(self._key)
+            token = int(mx.random.categorical(logprobs * (1.0 / self.temperature), key=key).item())
+        if self.constraint is not None:
+            self.constraint.consume(token)
+        return token
+
+
+@dataclass(eq=False)  # compared by identity: the batch finds it in its lists
+class Sequence:
+    """`emit` gets each text piece; `whole()` says, after a piece, that the reply needs
+    nothing more (its one call is made): it then ends `complete`. `sampled` collects every
+    sampled token, end-of-turn included."""
+
+    lm: LoadedModel
+    params: GenerationParams
+    cache: list
+    emit: Callable[[GenerationEvent], None]
+    whole: Callable[[], bool] = lambda: False
+    sampled: list[int] = field(default_factory=list)
+    phase: Phase = Phase.PREFILL
+    result: Finished | None = None
+    pending: int = -1  # the token the next decode step feeds
+    alone: str | None = None  # why this sequence steps outside the batched forward (logged once)
+
+    def __post_init__(self) -> None:
+        p = self.params
+        self.cursor = p.cached  # prompt tokens in the cache
+        # The prompt's tail that gives the first token's logits. With the CPU's compiled
+        # step it is the last token alone, fed by the batched decode step (cheaper there
+        # than a pass of many rows). Otherwise the tail (up to 64 tokens) runs through the
+        # whole model in one pass, the head computed for its last row only: an agent's
+        # short suffix then takes one pass, not a prefill and a step.
+        new = len(p.prompt) - p.cached
+        compiled = hasattr(self.lm.model, "decode_step")
+        self.tail = 1 if compiled else max(1, min(new % p.prefill_step or p.prefill_step, new, 64))
+        self.sampler = Sampler(p)
+        self.detokenizer = self.lm.tokenizer.detokenizer
+        self.skip: frozenset[int] = frozenset()  # tokens with no text in the reply
+        if p.raw:
+            continue_after(self.detokenizer, p.prompt[-1])
+            self.skip = self.lm.special_token_ids  # as vLLM's skip_special_tokens
+        self.reply: list[int] = []
+        self.produced = 0
+        self.began = perf_counter()
+        self.first: float | None = None
+        if self.to_prefill == 0 and self.tail == 1:
+            self._prefilled()
+
+    # -- prefill ----------------------------------------------------------------------------
+
+    @property
+    def to_prefill(self) -> int:
+        """Prompt tokens still to go into the cache before the first decode step."""
+        end = len(self.params.prompt) - (self.tail if self.params.max_tokens > 0 else 0)
+        return max(0, end - self.cursor)
+
+    def prefill_chunk(self, size: int) -> None:
+        """Run the next `size` prompt tokens into the cache; then the tail: a pass that
+        samples the first token, or the last prompt token left for the first decode step."""
+        p = self.params
+        n = min(size, self.to_prefill)
+        if n:
+            prefill(self.lm, p.prompt[self.cursor : self.cursor + n], self.cache, n, lambda done, total: None)
+        self.cursor += n
+        total = len(p.prompt) - p.cached
+        if total >= LONG_PREFILL and self.to_prefill:
+            log.info("prefill %d/%d tokens", self.cursor - p.cached, total)
+        if self.to_prefill == 0:
+            self._prefilled()
+
+    def _prefilled(self) -> None:
+        p = self.params
+        if p.max_tokens == 0:  # a prewarm (generate: false): the whole prompt into the KV, nothing sampled
+            return self._end("stop")
+        self.phase = Phase.DECODE
+        if self.tail == 1:
+            self.pending = p.prompt[-1]
+            self.cursor = len(p.prompt) - 1
+        else:
+            logits = last_logits(self.lm, p.prompt[-self.tail:], self.cache)
+            self.cursor = len(p.prompt)
+            self.take(logits)
+
+    # -- decode -----------------------------------------------------------------------------
+
+    def take(self, logits: mx.array) -> None:
+        """Sample from the logits (1, vocab) the step gave for `pending`, and stream the token."""
+        p = self.params
+        token = self.sampler(logits, self.reply)
+        self.sampled.append(token)
+        self.reply.append(token)
+        if self.first is None:
+            self.first = perf_counter()
+        if token in self.lm.eos_token_ids and not p.ignore_eos:
+            return self._end("stop")
+        self.produced += 1
+        if token not in self.skip:
+            self.detokenizer.add_token(token)
+        if piece := self.detokenizer.last_segment:
+            self.emit(TextDelta(piece))
+        if self.whole():
+            return self._end("complete")
+        if len(self.reply) >= p.max_tokens:
+            return self._end("length")
+        self.pending = token
+
+    def cancel(self) -> Finished:
+        """End now, as the client left: the usage and rates so far."""
+        self.result = Finished("cancelled", self._usage(), *self._rates())
+        self.phase = Phase.DONE
+        return self.result
+
+    @property
+    def prefilled(self) -> int:
+        return len(self.params.prompt) if self.phase is Phase.DECODE else self.cursor
+
+    def _end(self, reason: str) -> None:
+        p = self.params
+        if p.max_tokens > 0:
+            self.detokenizer.finalize()
+            if piece := self.detokenizer.last_segment:
+                self.emit(TextDelta(piece))
+        if reason == "length" and p.constraint is not None and p.constraint.complete_after(self.reply):
+            reason = "complete"  # a call or JSON value that closed on the limit's last token is whole
+        self.cursor = len(p.prompt)
+        self.result = Finished(reason, self._usage(), *self._rates())
+        self.phase = Phase.DONE
+
+    def _usage(self) -> Usage:
+        return Usage(input_tokens=len(self.params.prompt), output_tokens=self.produced, cached_tokens=self.params.cached)
+
+    def _rates(self) -> tuple[float, float]:
+        """(prefill, decode) tokens per second: the prompt until the first token, then the reply."""
+        now = perf_counter()
+        first = self.first or now
+        new = (self.prefilled if self.first is None else len(self.params.prompt)) - self.params.cached
+        decode = (self.produced - 1) / (now - first) if self.produced > 1 and now > first else 0.0
+        return new / max(first - self.began, 1e-9), decode
