@@ -103,7 +103,7 @@ def test_the_batched_step_gives_each_sequence_bitwise_its_own_steps_logits(kind,
     calls = counted(model.batch_step, "lmsp_decode_batch", monkeypatch)
     caches, tokens, rows = [prefilled(p) for p in prompts], [p[-1] for p in prompts], [[] for _ in prompts]
     for _ in range(4):
-        logits = np.array(model.batch_step(tokens, caches))
+        logits = np.array(model.batch_step([[t] for t in tokens], caches))
         for i, row in enumerate(logits):
             rows[i].append(row)
         tokens = [int(np.argmax(r)) for r in logits]
@@ -113,12 +113,38 @@ def test_the_batched_step_gives_each_sequence_bitwise_its_own_steps_logits(kind,
     assert [c[0].offset for c in caches] == [len(p) + 3 for p in prompts]
 
 
+def test_a_short_chunk_as_rows_of_the_batched_step_is_its_tokens_stepped_one_by_one():
+    """A suffix fed as consecutive rows on one cache (beside another sequence's decode
+    row) attends causally: its K/V and its last logits are bitwise those of stepping its
+    tokens one at a time."""
+    model = tiny("llama")
+    assert cpu_decode.install(model)
+    prompt, chunk = list(range(5, 40)), [7, 8, 9, 10, 11, 12]
+
+    def prefilled(tokens):
+        cache = make_prompt_cache(model)
+        model(mx.array([tokens]), cache=cache)
+        mx.eval([c.state for c in cache])
+        return cache
+
+    one_by_one = prefilled(prompt)
+    for t in chunk:
+        last = np.array(model(mx.array([[t]]), cache=one_by_one)[0, -1])
+    other, rows = prefilled([3, 4]), prefilled(prompt)
+    logits = np.array(model.batch_step([[9], chunk], [other, rows]))
+    assert np.array_equal(logits[1], last)
+    n = len(prompt) + len(chunk)
+    assert rows[0].offset == one_by_one[0].offset == n and other[0].offset == 3
+    for mine, theirs in zip(rows, one_by_one):
+        assert np.array_equal(np.array(mine.keys[..., :n, :]), np.array(theirs.keys[..., :n, :]))
+
+
 def test_the_batched_step_takes_plain_caches_only():
     model = tiny("llama")
     assert cpu_decode.install(model)
     assert model.batch_step.takes(make_prompt_cache(model))
     assert not model.batch_step.takes([QuantizedKVCache(group_size=32, bits=4) for _ in model.layers])
-    assert model.batch_step([1, 2], [make_prompt_cache(model), [QuantizedKVCache() for _ in model.layers]]) is None
+    assert model.batch_step([[1], [2]], [make_prompt_cache(model), [QuantizedKVCache() for _ in model.layers]]) is None
 
 
 def counted(holder, function: str, monkeypatch) -> list[int]:

@@ -76,11 +76,25 @@ def prefix_state(c: Any, n: int, copy: bool = True) -> Any:
     return _copy_state(c.state) if copy else c.state
 
 
+def _with_room(a: mx.array, n: int) -> mx.array:
+    """A KVCache buffer holding `a`'s `n` positions, padded to the next multiple of mlx-lm's
+    256-position step: the branch's or restore's first decode step then writes into room
+    it has, instead of growing (copying) the whole cache again."""
+    step = mlx_cache.KVCache.step
+    room = (n // step + 1) * step - n
+    return mx.concatenate([a[..., :n, :], mx.zeros((*a.shape[:2], room, a.shape[3]), a.dtype)], axis=2)
+
+
 def restore(classes: tuple[type, ...], states: tuple[Any, ...]) -> list:
     """Fresh cache objects from states (copied, so the source stays unchanged)."""
     caches = []
     for cls, state in zip(classes, states):
-        if cls is mlx_cache.QuantizedKVCache:
+        if cls is mlx_cache.KVCache and state[0] is not None:
+            keys, values, n = state
+            obj = cls()
+            obj.keys, obj.values, obj.offset = _with_room(keys, n), _with_room(values, n), n
+            caches.append(obj)
+        elif cls is mlx_cache.QuantizedKVCache:
             obj = cls.__new__(cls)
             obj.keys, obj.values, obj.offset, obj.group_size, obj.bits = _copy_state(state)
             caches.append(obj)

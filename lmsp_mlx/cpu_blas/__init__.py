@@ -114,7 +114,8 @@ def declare_decode(lib: ctypes.CDLL) -> ctypes.CDLL:
     """`lib` (a build of decode.c, experts.c and attention.c) with its functions' C signatures set."""
     lib.lmsp_decode_step.argtypes = [ctypes.c_void_p, ctypes.c_int32, ctypes.c_int32] + [ctypes.c_void_p] * 4
     lib.lmsp_decode_step.restype = ctypes.c_int
-    lib.lmsp_decode_batch.argtypes = [ctypes.c_void_p, ctypes.c_int32] + [ctypes.c_void_p] * 9
+    lib.lmsp_decode_batch.argtypes = ([ctypes.c_void_p, ctypes.c_int32] + [ctypes.c_void_p] * 7 + [ctypes.c_int32]
+                                      + [ctypes.c_void_p] * 3)
     lib.lmsp_decode_batch.restype = ctypes.c_int
     lib.lmsp_decode_batch_scratch.argtypes = [ctypes.c_void_p, ctypes.c_int32, ctypes.c_void_p]
     lib.lmsp_decode_batch_scratch.restype = ctypes.c_int64
@@ -129,6 +130,13 @@ def declare_decode(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.lmsp_dequantize_rows.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2 + [ctypes.c_int] * 2 + [ctypes.c_void_p]
     lib.lmsp_dequantize_rows.restype = None
     return lib
+
+
+def blas_ran() -> None:
+    """Calls of OpenBLAS that bypass the forwarded cblas_sgemm (the compiled prefill's
+    sgemms, numpy's matmuls) say so here, so the next `park_blas_threads` parks them."""
+    global _parked_at
+    _parked_at = -1
 
 
 def park_blas_threads() -> None:

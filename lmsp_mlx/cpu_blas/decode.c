@@ -421,21 +421,25 @@ static void gemm_part(const float *w, const float *x, float *y, int64_t m, int64
 int64_t lmsp_decode_batch_scratch(const lmsp_model *m, int32_t nb, const int32_t *pos) {
     int64_t positions = 0;
     for (int32_t s = 0; s < nb; s++) positions += (int64_t)pos[s] + 1;
-    return nb * (2 * (int64_t)m->dim + (2 * (int64_t)m->n_heads + 2 * m->n_kv_heads) * m->head_dim +
+    return nb * (3 * (int64_t)m->dim + (2 * (int64_t)m->n_heads + 2 * m->n_kv_heads) * m->head_dim +
                  2 * (int64_t)m->hidden) + (int64_t)m->n_heads * positions;
 }
 
 /*
- * Logits (nb, vocab) for one token of each of `nb` sequences. Sequence s is at position
- * pos[s] of its own plain float32 cache: layer l's K and V buffers are keys[s * n_layers + l]
- * and values[...], each (n_kv_heads, cap[s], head_dim), with room for pos[s] + 1
- * positions; its K/V at pos[s] are written. cos/sin: (nb, rope_dims / 2), each sequence's
- * rotation. `scratch` holds lmsp_decode_batch_scratch floats. The model's kv_bits must be 0
- * (a quantized cache's sequences step alone). Returns 0, or -1 out of memory.
+ * One pass of `nb` rows, each a token at position pos[s] of a plain float32 cache: layer l's
+ * K and V buffers are keys[s * n_layers + l] and values[...], each (n_kv_heads, cap[s],
+ * head_dim), with room for pos[s] + 1 positions; K/V at pos[s] are written. A row is one
+ * sequence's decode step, or one token of a short prompt chunk: consecutive rows on the
+ * same cache at consecutive positions (every row's K/V is stored before any row attends,
+ * so row s sees the chunk's earlier rows: causal, as a prefill). cos/sin: (nb, rope_dims / 2),
+ * each row's rotation. Logits (n_out, vocab) are computed for rows out_rows[0..n_out-1]
+ * only (a chunk needs its last row's). `scratch` holds lmsp_decode_batch_scratch floats.
+ * The model's kv_bits must be 0 (a quantized cache's sequences step alone). Returns 0, or
+ * -1 out of memory.
  */
 int lmsp_decode_batch(const lmsp_model *m, int32_t nb, const int32_t *tokens, const int32_t *pos, const int32_t *cap,
-                      float *const *keys, float *const *values, const float *cos, const float *sin, float *logits,
-                      float *scratch) {
+                      float *const *keys, float *const *values, const float *cos, const float *sin, int32_t n_out,
+                      const int32_t *out_rows, float *logits, float *scratch) {
     const int64_t dim = m->dim, hd = m->head_dim, nh = m->n_heads, nkv = m->n_kv_heads, hidden = m->hidden;
     const int64_t L = m->n_layers, half = m->rope_dims / 2, group = nh / nkv, B = nb;
     if (m->kv_bits) return -1;
@@ -444,7 +448,8 @@ int lmsp_decode_batch(const lmsp_model *m, int32_t nb, const int32_t *tokens, co
     score_at[0] = 0;
     for (int64_t s = 0; s < B; s++) score_at[s + 1] = score_at[s] + nh * ((int64_t)pos[s] + 1);
     float *x = scratch, *h = x + B * dim, *q = h + B * dim, *k = q + B * nh * hd, *v = k + B * nkv * hd;
-    float *att = v + B * nkv * hd, *gate = att + B * nh * hd, *up = gate + B * hidden, *scores = up + B * hidden;
+    float *att = v + B * nkv * hd, *gate = att + B * nh * hd, *up = gate + B * hidden, *picked = up + B * hidden;
+    float *scores = picked + B * dim;
     for (int64_t s = 0; s < B; s++) memcpy(x + s * dim, m->embed + (int64_t)tokens[s] * dim, (size_t)dim * sizeof(float));
 #pragma omp parallel
     {
@@ -496,8 +501,8 @@ int lmsp_decode_batch(const lmsp_model *m, int32_t nb, const int32_t *tokens, co
 #pragma omp barrier
         }
 #pragma omp for schedule(static)
-        for (int64_t s = 0; s < B; s++) rms_norm(x + s * dim, m->final_norm, h + s * dim, dim, m->eps);
-        gemm_part(m->head, h, logits, m->vocab, dim, B, 0);
+        for (int64_t o = 0; o < n_out; o++) rms_norm(x + out_rows[o] * dim, m->final_norm, picked + o * dim, dim, m->eps);
+        gemm_part(m->head, picked, logits, m->vocab, dim, n_out, 0);
     }
     free(score_at);
     return 0;

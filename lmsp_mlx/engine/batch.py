@@ -59,17 +59,20 @@ class Batch:
         failed: dict[Sequence, Exception] = {}
         batch_step = getattr(self.lm.model, "batch_step", None)
         together, alone = [], []
+        rows = sum(len(s.pending) for s in seqs)
         for s in seqs:
-            why = None if len(seqs) == 1 else _why_alone(batch_step, s)
+            why = None if rows == 1 else _why_alone(batch_step, s)
             (alone if why else together).append(s)
             if why and s.alone is None:
                 s.alone = why
                 log.info("a sequence steps outside the batch: %s", why)
         logits = None
-        if len(together) > 1:
+        if sum(len(s.pending) for s in together) > 1:
             try:
                 if batch_step is not None:
                     logits = batch_step([s.pending for s in together], [s.cache for s in together])
+                elif len(together) == 1:  # one sequence's rows: the model's own pass
+                    logits = None
                 else:
                     logits = self._merged.step(self.lm, together)
             except Exception:
@@ -83,7 +86,7 @@ class Batch:
         for s in alone:
             self._merged.release(s)
             try:
-                logits = self.lm.model(mx.array([[s.pending]]), cache=s.cache)[:, -1, :]
+                logits = self.lm.model(mx.array([s.pending]), cache=s.cache)[:, -1, :]
             except Exception as exc:
                 failed[s] = exc
                 continue
@@ -106,7 +109,7 @@ class Merged:
             self.release_all()
             self.cache = [BatchKVCache.merge([s.cache[i] for s in seqs]) for i in range(len(seqs[0].cache))]
             self.members = list(seqs)
-        tokens = mx.array([[s.pending] for s in seqs])
+        tokens = mx.array([s.pending for s in seqs])  # one token each (no batched step: tails go whole)
         return lm.model(tokens, cache=self.cache)[:, -1, :]
 
     def release(self, seq: Sequence) -> None:

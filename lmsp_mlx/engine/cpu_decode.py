@@ -235,44 +235,54 @@ class BatchStep:
         found = self.compiled.layout(cache)
         return found is not None and found[1] == 0
 
-    def __call__(self, tokens: list[int], caches: list[list]) -> mx.array | None:
-        """Logits (B, vocab) for `tokens[i]` fed to `caches[i]`, their K/V written and
-        offsets advanced; None (nothing written) where a cache is not one `takes` takes."""
+    def __call__(self, feeds: list[list[int]], caches: list[list]) -> mx.array | None:
+        """Logits (len(feeds), vocab): for each sequence, after its tokens `feeds[i]` are fed
+        to `caches[i]` (one for a decode step, several for a short prompt chunk, which
+        attends causally as a prefill), its K/V written and offsets advanced; None (nothing
+        written) where a cache is not one `takes` takes."""
         spec = self.compiled.spec
-        layers, count = spec.n_layers, len(tokens)
-        if not all(self.takes(c) for c in caches) or any(not 0 <= t < spec.vocab for t in tokens):
+        layers, count = spec.n_layers, sum(len(f) for f in feeds)
+        if not all(self.takes(c) for c in caches) or any(not 0 <= t < spec.vocab for f in feeds for t in f):
             return None
         half = spec.rope_dims // 2
         pos, cap = np.empty(count, np.int32), np.empty(count, np.int32)
         cos, sin = np.empty((count, half), np.float32), np.empty((count, half), np.float32)
         keys, values = (ctypes.c_void_p * (count * layers))(), (ctypes.c_void_p * (count * layers))()
+        out_rows = np.empty(len(feeds), np.int32)
         views = []  # the buffers' numpy views stay alive through the call
-        for s, cache in enumerate(caches):
-            make_room(cache, 1, spec.n_kv_heads, spec.head_dim)
-            size = None
-            for layer, c in enumerate(cache):
+        row = 0
+        for s, (feed, cache) in enumerate(zip(feeds, caches)):
+            make_room(cache, len(feed), spec.n_kv_heads, spec.head_dim)
+            buffers = []
+            for c in cache:
                 k, v = _view(c.keys), _view(c.values)
-                if k is None or v is None or k.shape != v.shape or size not in (None, k.shape[2]):
+                if k is None or v is None or k.shape != v.shape or k.shape[2] != cache[0].keys.shape[2]:
                     return None
-                size = k.shape[2]
                 views += (k, v)
-                keys[s * layers + layer], values[s * layers + layer] = k.ctypes.data, v.ctypes.data
-            pos[s], cap[s] = cache[0].offset, size
-            cos[s], sin[s] = (t[0] for t in _rope_tables(int(pos[s]), 1, spec.rope_dims, *self.compiled.rope))
+                buffers.append((k.ctypes.data, v.ctypes.data))
+            start = cache[0].offset
+            table = _rope_tables(start, len(feed), spec.rope_dims, *self.compiled.rope)
+            for j in range(len(feed)):
+                for layer, (k, v) in enumerate(buffers):
+                    keys[row * layers + layer], values[row * layers + layer] = k, v
+                pos[row], cap[row] = start + j, cache[0].keys.shape[2]
+                cos[row], sin[row] = table[0][j], table[1][j]
+                row += 1
+            out_rows[s] = row - 1
         need = self.lib.lmsp_decode_batch_scratch(ctypes.byref(spec), count, pos.ctypes.data)
         if self.scratch.size < need:
             self.scratch = np.empty(max(need, 2 * self.scratch.size), np.float32)
-        logits = np.empty((count, spec.vocab), np.float32)
-        ids = np.asarray(tokens, np.int32)
+        logits = np.empty((len(feeds), spec.vocab), np.float32)
+        ids = np.asarray([t for f in feeds for t in f], np.int32)
         cpu_blas.park_blas_threads()
         if self.lib.lmsp_decode_batch(ctypes.byref(spec), count, ids.ctypes.data, pos.ctypes.data, cap.ctypes.data,
-                                      keys, values, cos.ctypes.data, sin.ctypes.data, logits.ctypes.data,
-                                      self.scratch.ctypes.data) != 0:
-            log.warning("compiled batch step: no memory for %d sequences; they step one by one", count)
+                                      keys, values, cos.ctypes.data, sin.ctypes.data, len(feeds),
+                                      out_rows.ctypes.data, logits.ctypes.data, self.scratch.ctypes.data) != 0:
+            log.warning("compiled batch step: no memory for %d rows; the sequences step one by one", count)
             return None
-        for cache in caches:
+        for feed, cache in zip(feeds, caches):
             for c in cache:
-                c.offset += 1
+                c.offset += len(feed)
         return mx.array(logits)
 
 

@@ -70,6 +70,7 @@ def causal_attention(queries: mx.array, keys: mx.array, values: mx.array, scale:
     k, v = _rows(keys), _rows(values)
     out = np.empty(q.shape, np.float32)
     kernels = cpu_blas.fused_kernels()
+    cpu_blas.blas_ran()
     for i in range(b):
         for h in range(kv_heads):
             if kernels.lmsp_causal_attention(
@@ -134,6 +135,7 @@ def prefill_attention(queries, keys, values, scale: float, mask) -> mx.array:
     instead of the large score matrix going both ways; numpy's matmul is the same OpenBLAS."""
     b, heads, length, dim = queries.shape
     kv_heads, source = keys.shape[1], keys.shape[2]
+    cpu_blas.blas_ran()  # numpy's matmuls run on the same OpenBLAS
     q = np.array((queries * scale).reshape(b, kv_heads, heads // kv_heads, length, dim))
     scores = q @ np.array(keys)[:, :, None].swapaxes(-1, -2)  # (B, kv_heads, group, L, S)
     hidden = None  # positions a query must not see

@@ -57,6 +57,7 @@ class PrefillPass:
             self.scratch = np.empty(need, np.float32)
         cos, sin = _rope_tables(pos, n, spec.rope_dims, *self.compiled.rope)
         out = np.empty((n, spec.dim), np.float32)
+        cpu_blas.blas_ran()  # its sgemms wake OpenBLAS's workers, which then spin (park_blas_threads)
         if self.lib.lmsp_prefill(ctypes.byref(spec), ids.ctypes.data, n, pos, cos.ctypes.data, sin.ctypes.data,
                                  out.ctypes.data, self.scratch.ctypes.data):
             raise MemoryError("no memory for the attention scores")

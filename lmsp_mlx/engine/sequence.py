@@ -10,7 +10,7 @@ text. It is `DONE` once it holds its `Finished`.
 
 Invariants: the cache holds `prompt[:cursor]` in PREFILL and `prompt + reply[:-1]` in
 DECODE (the last sampled token is fed by the next step, so a reply that ends leaves it
-unfed: the session pool accounts for that). Nothing here knows about other sequences:
+unfed: the session pool accounts for that), less the prompt's tail while `pending` holds it. Nothing here knows about other sequences:
 the batch (engine/batch.py) only calls `prefill_chunk`, reads `pending` and calls `take`.
 """
 
@@ -30,6 +30,12 @@ from .generate import LONG_PREFILL, GenerationParams, continue_after, last_logit
 from .loader import LoadedModel
 
 log = logging.getLogger("lmsp_mlx.engine")
+
+# A suffix this short goes into the cache as rows of the batched decode step, not as a
+# prefill chunk: prefill's matmuls run at a fraction of their rate on a few rows. Measured
+# (SmolLM2 float32 on an 1,800-token session, benchmarks/agent_loop.py --suffix-turns):
+# 8 new tokens took 161 ms as a prefill and a step, 81 as rows; from ~24 prefill wins.
+SHORT_SUFFIX = 16
 
 
 class Phase(enum.Enum):
@@ -85,20 +91,26 @@ class Sequence:
     sampled: list[int] = field(default_factory=list)
     phase: Phase = Phase.PREFILL
     result: Finished | None = None
-    pending: int = -1  # the token the next decode step feeds
+    pending: list[int] = field(default_factory=list)  # the tokens the next decode step feeds
     alone: str | None = None  # why this sequence steps outside the batched forward (logged once)
 
     def __post_init__(self) -> None:
         p = self.params
         self.cursor = p.cached  # prompt tokens in the cache
         # The prompt's tail that gives the first token's logits. With the CPU's compiled
-        # step it is the last token alone, fed by the batched decode step (cheaper there
-        # than a pass of many rows). Otherwise the tail (up to 64 tokens) runs through the
-        # whole model in one pass, the head computed for its last row only: an agent's
-        # short suffix then takes one pass, not a prefill and a step.
+        # batched step, a suffix of up to SHORT_SUFFIX tokens is all tail: its rows ride in
+        # the next decode step (one pass, beside the other sequences' tokens, the weights
+        # read once); a longer prompt leaves its last token for it. Otherwise the tail (up
+        # to 64 tokens) runs through the whole model in one pass, the head computed for its
+        # last row only. Either way an agent's short suffix takes one pass, not a prefill
+        # and a step.
         new = len(p.prompt) - p.cached
-        compiled = hasattr(self.lm.model, "decode_step")
-        self.tail = 1 if compiled else max(1, min(new % p.prefill_step or p.prefill_step, new, 64))
+        if hasattr(self.lm.model, "batch_step"):
+            self.tail = new if new <= SHORT_SUFFIX else 1
+            self.rows = True  # the tail is fed by the decode step
+        else:
+            self.tail = max(1, min(new % p.prefill_step or p.prefill_step, new, 64))
+            self.rows = self.tail == 1
         self.sampler = Sampler(p)
         self.detokenizer = self.lm.tokenizer.detokenizer
         self.skip: frozenset[int] = frozenset()  # tokens with no text in the reply
@@ -109,7 +121,7 @@ class Sequence:
         self.produced = 0
         self.began = perf_counter()
         self.first: float | None = None
-        if self.to_prefill == 0 and self.tail == 1:
+        if self.to_prefill == 0 and self.rows:
             self._prefilled()
 
     # -- prefill ----------------------------------------------------------------------------
@@ -139,9 +151,9 @@ class Sequence:
         if p.max_tokens == 0:  # a prewarm (generate: false): the whole prompt into the KV, nothing sampled
             return self._end("stop")
         self.phase = Phase.DECODE
-        if self.tail == 1:
-            self.pending = p.prompt[-1]
-            self.cursor = len(p.prompt) - 1
+        if self.rows:
+            self.pending = p.prompt[-self.tail:]
+            self.cursor = len(p.prompt) - self.tail
         else:
             logits = last_logits(self.lm, p.prompt[-self.tail:], self.cache)
             self.cursor = len(p.prompt)
@@ -150,7 +162,7 @@ class Sequence:
     # -- decode -----------------------------------------------------------------------------
 
     def take(self, logits: mx.array) -> None:
-        """Sample from the logits (1, vocab) the step gave for `pending`, and stream the token."""
+        """Sample from the logits (1, vocab) the step gave after `pending`, and stream the token."""
         p = self.params
         token = self.sampler(logits, self.reply)
         self.sampled.append(token)
@@ -168,7 +180,7 @@ class Sequence:
             return self._end("complete")
         if len(self.reply) >= p.max_tokens:
             return self._end("length")
-        self.pending = token
+        self.pending = [token]
 
     def cancel(self) -> Finished:
         """End now, as the client left: the usage and rates so far."""
