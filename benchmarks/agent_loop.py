@@ -1,6 +1,7 @@
 """An agent loop with hidden reasoning: lmsp-mlx against mlx_lm.server, one run.
 
-    python benchmarks/agent_loop.py [--turns 10] [--reasoning 32] [--visible 256] [--tool 12]
+    python benchmarks/agent_loop.py [--turns 10] [--reasoning 32] [--visible 256] [--tool 12] [--loops 2]
+    python benchmarks/agent_loop.py --suffix-turns
 
 The workload is what agent clients send: a system prompt with tool descriptions, then
 turns of (the model's reply: hidden reasoning, then a long visible tool call) and (a short
@@ -14,6 +15,11 @@ Both servers get the same CPU math: mlx_lm.server is started through a wrapper t
 MLX's matmuls to OpenBLAS and installs lmsp-mlx's fused prefill kernels and compiled
 decode step into its model, so the comparison measures what each server prefills, not
 whose kernels are faster.
+
+Tool results vary in length from turn to turn, and `--loops` agent loops run against each
+server at once. `--suffix-turns` measures instead, in-process, what one turn adding 1-256
+tokens to an 1,800-token session costs against the suffix's bare prefill plus one decode
+step (benchmarks/results/suffix_turns.csv; target at most 1.5x).
 
 Reports per turn: time to first token (streamed, from the client's side) and prefilled
 tokens (prompt minus cached, from each server's usage). Then, in-process on the real
@@ -190,20 +196,79 @@ def stream_mlx_lm(client: httpx.Client, messages: list[dict], max_tokens: int) -
     return first - began, "".join(text), usage["prompt_tokens"], cached
 
 
-def tool_result(turn: int, words: int) -> str:
-    return f"Tool output {turn}: " + " ".join(f"line{turn}x{i}" for i in range(words // 2))
+def tool_result(turn: int, words: int, loop: int = 0) -> str:
+    """A tool's output; its length varies from turn to turn (real agents never send the same
+    length twice): `words` give or take 90%, the same in every run."""
+    count = max(1, words * (1 + (turn * 7 + loop * 3) % 19) // 10)
+    return f"Tool output {loop}.{turn}: " + " ".join(f"line{turn}x{i}" for i in range(count // 2))
 
 
-def run_loop(name: str, fn, url: str, turns: int, max_tokens: int, tool_words: int) -> list[dict]:
-    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Fix the failing test in src/app.py."}]
+def run_loop(name: str, fn, url: str, turns: int, max_tokens: int, tool_words: int, loop: int = 0) -> list[dict]:
+    messages = [{"role": "system", "content": SYSTEM},
+                {"role": "user", "content": f"Fix the failing test in src/app{loop}.py."}]
     rows = []
     with httpx.Client(base_url=url, timeout=600) as client:
         for turn in range(1, turns + 1):
             ttft, text, prompt, cached = fn(client, messages, max_tokens)
-            rows.append({"server": name, "turn": turn, "ttft_s": ttft, "prompt_tokens": prompt,
+            rows.append({"server": name, "loop": loop, "turn": turn, "ttft_s": ttft, "prompt_tokens": prompt,
                          "cached_tokens": cached, "prefilled_tokens": prompt - cached})
-            print(f"{name:>14} turn {turn:2d}: ttft {ttft:6.3f}s prompt {prompt:5d} prefilled {prompt - cached:5d}", flush=True)
-            messages += [{"role": "assistant", "content": text}, {"role": "user", "content": tool_result(turn, tool_words)}]
+            print(f"{name:>14} loop {loop} turn {turn:2d}: ttft {ttft:6.3f}s prompt {prompt:5d} "
+                  f"prefilled {prompt - cached:5d}", flush=True)
+            messages += [{"role": "assistant", "content": text},
+                         {"role": "user", "content": tool_result(turn, tool_words, loop)}]
+    return rows
+
+
+def run_loops(name: str, fn, url: str, loops: int, *args) -> list[dict]:
+    """`loops` agent loops against one server at once (a coding agent and its subagent)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(loops) as pool:
+        done = [pool.submit(run_loop, name, fn, url, *args, loop) for loop in range(loops)]
+        return [row for d in done for row in d.result()]
+
+
+def suffix_turns(session_tokens: int, lengths: list[int]) -> list[dict]:
+    """In-process, on the real default model: a turn's time to its first token when it adds
+    `n` tokens to a `session_tokens` session (the server's own path: a Sequence through
+    the batch), against the suffix's bare prefill (`model(x, cache)` on the n tokens) plus
+    one decode step. Each from a fresh copy of the session, best of three."""
+    import mlx.core as mx
+
+    from lmsp_mlx.cache.session import Session
+    from lmsp_mlx.engine.batch import generate
+    from lmsp_mlx.engine.generate import GenerationParams, prefill
+    from lmsp_mlx.engine.loader import load_model
+    from mlx_lm.models.cache import make_prompt_cache
+
+    lm = load_model(ensure_packaged_model(DEFAULT_MODEL, default_models_dir()))
+    text = "The harbour master logged each boat, its cargo and the hour of the tide. " * (session_tokens // 10)
+    base = lm.tokenizer.encode(text, add_special_tokens=False)[:session_tokens]
+    cache = make_prompt_cache(lm.model)
+    prefill(lm, base, cache, 256, lambda done, total: None)
+    session = Session(cache=cache, tokens=base)
+
+    def best(run) -> float:
+        times = []
+        for _ in range(3):
+            copy = session.prefix(len(base)).cache
+            mx.eval([c.state for c in copy])
+            began = time.perf_counter()
+            run(copy)
+            times.append(time.perf_counter() - began)
+        return min(times)
+
+    rows = []
+    for n in lengths:
+        suffix = lm.tokenizer.encode(" then the tide turned" * n, add_special_tokens=False)[:n]
+        params = GenerationParams(prompt=base + suffix, max_tokens=1, temperature=0.0, cached=len(base))
+        ours = best(lambda c: generate(lm, params, emit=lambda e: None, cache=c))
+        bare = best(lambda c: mx.eval(lm.model(mx.array([suffix]), cache=c)))
+        step = best(lambda c: mx.eval(lm.model(mx.array([suffix[:1]]), cache=c)))
+        rows.append({"suffix_tokens": n, "ttft_s": ours, "prefill_s": bare, "step_s": step,
+                     "ratio": ours / (bare + step)})
+        print(f"suffix {n:4d}: first token {ours * 1000:6.0f} ms, bare prefill {bare * 1000:6.0f} ms + "
+              f"one step {step * 1000:4.0f} ms: ratio {ours / (bare + step):.2f}", flush=True)
     return rows
 
 
@@ -244,8 +309,21 @@ def main() -> None:
     p.add_argument("--visible", type=int, default=256, help="visible tool-call words per reply")
     p.add_argument("--tool", type=int, default=12, help="words per tool result")
     p.add_argument("--restore-tokens", type=int, default=4000)
+    p.add_argument("--loops", type=int, default=2, help="agent loops against each server at once")
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
+    p.add_argument("--suffix-turns", action="store_true",
+                   help="only the in-process per-turn measurement (suffixes of 1-256 tokens on an 1,800-token session)")
     args = p.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    if args.suffix_turns:
+        rows = suffix_turns(1800, [1, 4, 8, 14, 16, 24, 32, 51, 64, 128, 256])
+        with open(args.out / "suffix_turns.csv", "w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=list(rows[0]))
+            w.writeheader()
+            w.writerows(rows)
+        worst = max(rows, key=lambda r: r["ratio"])
+        print(f"worst ratio {worst['ratio']:.2f} at {worst['suffix_tokens']} tokens (target at most 1.5)")
+        return
 
     source = ensure_packaged_model(DEFAULT_MODEL, default_models_dir())
     model_dir = default_models_dir() / "agent-loop-bench"
@@ -262,14 +340,13 @@ def main() -> None:
         port = free_port()
         proc = start([*cmd, "--port", str(port)], f"http://127.0.0.1:{port}", logs / f"{name}.log")
         try:
-            rows += run_loop(name, fn, f"http://127.0.0.1:{port}", args.turns, max_tokens, args.tool)
+            rows += run_loops(name, fn, f"http://127.0.0.1:{port}", args.loops, args.turns, max_tokens, args.tool)
         finally:
             proc.terminate()
             proc.wait(timeout=60)
     print(f"server logs: {logs}", flush=True)
     prefill_s, restore_s = restore_vs_prefill(args.restore_tokens)
 
-    args.out.mkdir(parents=True, exist_ok=True)
     with open(args.out / "agent_loop.csv", "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=list(rows[0]))
         w.writeheader()
@@ -277,7 +354,7 @@ def main() -> None:
         f.write(f"# restore {args.restore_tokens} tokens: prefill {prefill_s:.3f}s, restore {restore_s:.3f}s\n")
     plot(rows, args.out / "agent_loop.png")
 
-    by = {(r["server"], r["turn"]): r for r in rows}
+    by = {(r["server"], r["turn"]): r for r in rows if r["loop"] == 0}  # the table: the first loop
     print("\n| turn | prompt tokens | prefilled lmsp-mlx | prefilled mlx_lm.server | TTFT lmsp-mlx (s) | TTFT mlx_lm.server (s) |")
     print("|---:|---:|---:|---:|---:|---:|")
     for t in range(1, args.turns + 1):
@@ -285,8 +362,8 @@ def main() -> None:
         print(f"| {t} | {a['prompt_tokens']} | {a['prefilled_tokens']} | {b['prefilled_tokens']} | "
               f"{a['ttft_s']:.3f} | {b['ttft_s']:.3f} |")
     late = range(3, args.turns + 1)
-    ours = statistics.median(by[("lmsp-mlx", t)]["ttft_s"] for t in late)
-    theirs = statistics.median(by[("mlx_lm.server", t)]["ttft_s"] for t in late)
+    ours = statistics.median(r["ttft_s"] for r in rows if r["server"] == "lmsp-mlx" and r["turn"] >= 3)
+    theirs = statistics.median(r["ttft_s"] for r in rows if r["server"] == "mlx_lm.server" and r["turn"] >= 3)
     print(f"\nturns 3-{args.turns}: median TTFT lmsp-mlx {ours:.3f}s, mlx_lm.server {theirs:.3f}s, "
           f"ratio {ours / theirs:.3f} (target at most 0.2)")
     print(f"restore {args.restore_tokens} tokens from disk: {restore_s:.3f}s vs prefill {prefill_s:.3f}s, "
@@ -304,7 +381,7 @@ def plot(rows: list[dict], path: Path) -> None:
         return
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
     for name in ("lmsp-mlx", "mlx_lm.server"):
-        mine = [r for r in rows if r["server"] == name]
+        mine = [r for r in rows if r["server"] == name and r["loop"] == 0]
         ax1.plot([r["turn"] for r in mine], [r["ttft_s"] for r in mine], marker="o", label=name)
         ax2.plot([r["turn"] for r in mine], [r["prefilled_tokens"] for r in mine], marker="o", label=name)
     ax1.set(xlabel="turn", ylabel="time to first token (s)", title="Agent loop, hidden reasoning")
