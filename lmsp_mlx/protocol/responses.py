@@ -141,9 +141,12 @@ def v1_input_item(item: dict[str, Any], key: str) -> dict[str, Any]:
 
 
 def v1_tool(tool: dict[str, Any]) -> dict[str, Any]:
-    """A tool as the response object echoes it: Open Responses requires `strict` (a
-    boolean or null) on every function tool, so validating clients reject it missing."""
-    return {**tool, "strict": tool.get("strict")} if tool.get("type") == "function" else tool
+    """A tool as the response object echoes it: Open Responses requires `description`,
+    `parameters` and `strict` (each may be null) on every function tool, so validating
+    clients reject one that lacks them."""
+    if tool.get("type") != "function":
+        return tool
+    return {"description": None, "parameters": None, "strict": None, **tool}
 
 
 def v1_response(resp: ResponseObject, request: Any, completed_at: int | None) -> dict[str, Any]:
