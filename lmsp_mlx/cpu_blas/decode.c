@@ -138,17 +138,23 @@ __attribute__((target("avx2,fma"))) static void attend_avx2(const float *q, cons
 #define attend_avx2 attend
 #endif
 
-/* y = W x (+ y when `add`), W (m, n) row-major: this thread's share of the rows. */
-static void gemv_part(const float *w, const float *x, float *y, int64_t m, int64_t n, int add) {
+/* This thread's share [*r0, *r1) of m rows, in blocks of four; 0 when it has none. */
+static int thread_rows(int64_t m, int64_t *r0, int64_t *r1) {
 #ifdef _OPENMP
     int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
 #else
     int64_t t = 0, nt = 1;
 #endif
     int64_t blocks = (m + 3) / 4, per = (blocks + nt - 1) / nt;
-    int64_t r0 = t * per * 4, r1 = (t + 1) * per * 4;
-    if (r1 > m) r1 = m;
-    if (r0 >= r1) return;
+    *r0 = t * per * 4, *r1 = (t + 1) * per * 4;
+    if (*r1 > m) *r1 = m;
+    return *r0 < *r1;
+}
+
+/* y = W x (+ y when `add`), W (m, n) row-major: this thread's share of the rows. */
+static void gemv_part(const float *w, const float *x, float *y, int64_t m, int64_t n, int add) {
+    int64_t r0, r1;
+    if (!thread_rows(m, &r0, &r1)) return;
     if (has_avx2())
         rows_avx2(w, x, y, r0, r1, n, add);
     else
@@ -399,17 +405,10 @@ static void rows_batch_avx2(const float *w, const float *x, float *y, int64_t r0
 #endif
 
 /* Y = X W^T (+ Y when `add`): X (nb, n), Y (nb, m), W (m, n) row-major; this thread's
- * share of W's rows, split as gemv_part splits them. */
+ * share of W's rows (thread_rows, as gemv_part). */
 static void gemm_part(const float *w, const float *x, float *y, int64_t m, int64_t n, int64_t nb, int add) {
-#ifdef _OPENMP
-    int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
-#else
-    int64_t t = 0, nt = 1;
-#endif
-    int64_t blocks = (m + 3) / 4, per = (blocks + nt - 1) / nt;
-    int64_t r0 = t * per * 4, r1 = (t + 1) * per * 4;
-    if (r1 > m) r1 = m;
-    if (r0 >= r1) return;
+    int64_t r0, r1;
+    if (!thread_rows(m, &r0, &r1)) return;
     if (has_avx2()) {
         rows_batch_avx2(w, x, y, r0, r1, n, m, nb, add);
     } else {
