@@ -229,3 +229,20 @@ def test_shutdown_marks_the_item_it_cut_incomplete_on_v1(start_server, tiny_mode
     [done] = [e["item"] for e in events if e["type"] == "response.output_item.done"]
     assert done["status"] == "incomplete" and done["content"][0]["text"]
     assert server.proc.wait(timeout=60) == 0
+
+
+def test_metrics_show_the_resident_kv_and_mlx_memory(tiny_server):
+    """A reply's session stays resident: /metrics counts it, in bytes that MLX's active
+    memory (which holds the model and every KV array) contains."""
+    r = httpx.post(tiny_server.url + "/lmsp/v1/responses", json=ask(FINISHES, max_output_tokens=8), timeout=60)
+    assert r.status_code == 200
+    deadline = time.monotonic() + 30  # the worker counts once the sequence's bookkeeping is done
+    while True:
+        gauges = dict(line.split(" ") for line in httpx.get(tiny_server.url + "/metrics").text.splitlines()
+                      if line.startswith(("lmsp_kv_", "lmsp_mlx_")))
+        if int(gauges["lmsp_kv_sessions"]) >= 1 or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    assert int(gauges["lmsp_kv_sessions"]) >= 1
+    assert 0 < int(gauges["lmsp_kv_resident_bytes"]) <= int(gauges["lmsp_mlx_active_bytes"])
+    assert int(gauges["lmsp_mlx_cache_bytes"]) >= 0

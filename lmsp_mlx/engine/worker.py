@@ -35,6 +35,7 @@ from ..cache.pool import Start
 from .batch import Batch, next_prefill
 from .generate import GenerationParams
 from .loader import LoadedModel, ModelLoadError, load_model
+from .memory import HeapTrimmer
 from .sequence import Phase, Sequence
 from .turn import Conversation, TurnOutput
 
@@ -111,7 +112,20 @@ class Counters:
     requests: dict[str, int] = field(default_factory=dict)  # by final status
     prompt_tokens: int = 0
     output_tokens: int = 0
+    kv_sessions: int = 0  # resident in the session pool (running ones included), after the last sequence ended
+    kv_bytes: int = 0  # their KV arrays and snapshots
     lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+@dataclass(frozen=True)
+class Memory:
+    """What the process holds, for /metrics: the resident KV sessions (as the worker last
+    counted them) and MLX's allocator, whose cache keeps freed buffers for reuse."""
+
+    kv_sessions: int
+    kv_bytes: int
+    mlx_active_bytes: int
+    mlx_cache_bytes: int
 
 
 @dataclass(frozen=True)
@@ -139,6 +153,7 @@ class Engine:
         self._max_output = max_output_tokens  # the limit of a request that sets none (None: the context)
         self._active: list[Running] = []  # the worker thread's; others only read a copy
         self._job_seconds = 1.0  # a moving average of the time a job holds the worker (for Retry-After)
+        self._trim_heap = HeapTrimmer()  # after sequences end: see engine/memory.py
         self._thread = threading.Thread(target=self._run, name="lmsp-worker", daemon=True)
 
     def start(self) -> LoadedModel:
@@ -197,6 +212,10 @@ class Engine:
     def running(self) -> int:
         """Sequences in the batch now."""
         return len(self._active)
+
+    def memory(self) -> Memory:
+        c = self.counters
+        return Memory(c.kv_sessions, c.kv_bytes, mx.get_active_memory(), mx.get_cache_memory())
 
     @property
     def busy(self) -> bool:
@@ -399,6 +418,7 @@ class Engine:
         self.pool.finish(start, run.seq.sampled, ok=True, binding=binding, calls=calls)
         if job.keep_history and done.reason != "cancelled":
             self.pool.keep_history(start, job.keep_history)
+        self._count_kv()
         self._job_seconds = 0.8 * self._job_seconds + 0.2 * (time.monotonic() - run.began)
 
     def _fail(self, run: Running, exc: Exception, listed: bool = True) -> None:
@@ -412,8 +432,15 @@ class Engine:
             log.exception("the failed sequence's cache could not be handed back")
         log.error("generation failed: %s: %s", type(exc).__name__, exc, exc_info=exc)
         self.pool.finish(run.start, run.seq.sampled, ok=False, binding=None)
+        self._count_kv()
         run.job.emit(Failed(f"generation failed: {type(exc).__name__}: {exc}"))
         self._log(run.job, self.model, "failed", Usage(len(run.start.tokens), 0), 0.0, 0.0)
+
+    def _count_kv(self) -> None:
+        """After a sequence ended: the resident KV for /metrics, and the heap's free pages back to the OS."""
+        sessions = list(self.pool.sessions)
+        self.counters.kv_sessions, self.counters.kv_bytes = len(sessions), sum(s.nbytes for s in sessions)
+        self._trim_heap()
 
     def _log(self, job: Job, lm: LoadedModel, status: str, usage: Usage, prefill: float, decode: float, extra: str = "") -> None:
         c = self.counters

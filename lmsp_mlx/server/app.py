@@ -99,7 +99,7 @@ def create_app(engine: Engine, settings: ServerSettings, tokens: Tokens, db: Dat
     @app.get("/metrics")
     @requires("admin")
     async def metrics():
-        c = engine.counters
+        c, memory = engine.counters, engine.memory()
         lines = [
             "# TYPE lmsp_queue_depth gauge", f"lmsp_queue_depth {engine.queued}",
             "# TYPE lmsp_busy gauge", f"lmsp_busy {int(engine.busy)}",
@@ -109,6 +109,10 @@ def create_app(engine: Engine, settings: ServerSettings, tokens: Tokens, db: Dat
             *(f'lmsp_requests_total{{status="{k}"}} {v}' for k, v in sorted(c.requests.items())),
             "# TYPE lmsp_prompt_tokens_total counter", f"lmsp_prompt_tokens_total {c.prompt_tokens}",
             "# TYPE lmsp_output_tokens_total counter", f"lmsp_output_tokens_total {c.output_tokens}",
+            "# TYPE lmsp_kv_sessions gauge", f"lmsp_kv_sessions {memory.kv_sessions}",
+            "# TYPE lmsp_kv_resident_bytes gauge", f"lmsp_kv_resident_bytes {memory.kv_bytes}",
+            "# TYPE lmsp_mlx_active_bytes gauge", f"lmsp_mlx_active_bytes {memory.mlx_active_bytes}",
+            "# TYPE lmsp_mlx_cache_bytes gauge", f"lmsp_mlx_cache_bytes {memory.mlx_cache_bytes}",
             "# TYPE lmsp_http_responses_total counter",
             *(f'lmsp_http_responses_total{{code="{k}"}} {v}'
               for k, v in sorted(app.extensions["lmsp_mlx"].http_statuses.items())),
