@@ -605,6 +605,9 @@ class Scraper(threading.Thread):
                "queue_depth": int(m.get("lmsp_queue_depth", -1)), "busy": int(m.get("lmsp_busy", -1)),
                "generations": sum(m["requests"].values()), "http_5xx": sum(v for k, v in m["http"].items() if k >= "500"),
                "http_429": m["http"].get("429", 0), "output_tokens": int(m.get("lmsp_output_tokens_total", 0)),
+               **{f"{name}_mib": round(float(m.get(f"lmsp_{name}_bytes", -1)) / 2**20, 1)
+                  for name in ("kv_resident", "mlx_active", "mlx_cache")},
+               "kv_sessions": int(m.get("lmsp_kv_sessions", -1)),
                "requests": m["requests"], "http": m["http"]}
         self.rows.append(row)
         return row
@@ -716,6 +719,7 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--warmup", type=float, default=30, help="seconds of load before the first RSS reading")
     p.add_argument("--scrape-every", type=float, default=5)
+    p.add_argument("--report-every", type=float, default=30, help="seconds between progress lines")
     p.add_argument("--grace", type=float, default=OP_TIMEOUT, help="seconds the last operations get after --minutes")
     p.add_argument("--drain-timeout", type=float, default=300)
     p.add_argument("--max-batch", type=int, help="passed to the server (its default: 8 on CPU)")
@@ -760,12 +764,14 @@ def main() -> None:
         at_warm = scraper.scrape()
         print(f"warm-up done at {time.monotonic() - t0:.0f} s: RSS {fmt(rss_warm, 1)} MiB", flush=True)
         while time.monotonic() < run.end:
-            time.sleep(min(30.0, max(0.0, run.end - time.monotonic())))
+            time.sleep(min(args.report_every, max(0.0, run.end - time.monotonic())))
             with run.lock:
                 done, bad = len(run.ops), sum(o["outcome"] not in ("ok", "refused") for o in run.ops)
             last = scraper.rows[-1] if scraper.rows else {}
             print(f"  {time.monotonic() - t0:5.0f} s: {done} ops, {bad} not ok, batch {last.get('batch_sequences')}, "
-                  f"queue {last.get('queue_depth')}, RSS {fmt(last.get('rss_mib'), 1)} MiB", flush=True)
+                  f"queue {last.get('queue_depth')}, RSS {fmt(last.get('rss_mib'), 1)} MiB (KV "
+                  f"{last.get('kv_resident_mib')} MiB in {last.get('kv_sessions')} sessions, MLX active "
+                  f"{last.get('mlx_active_mib')} / cache {last.get('mlx_cache_mib')} MiB)", flush=True)
         for t in threads:
             t.join(timeout=max(0.0, run.hard_end - time.monotonic()))
         if any(t.is_alive() for t in threads):
@@ -830,8 +836,8 @@ def main() -> None:
         w.writerows(rows)
     timeline = [r for r in scraper.rows]
     with open(args.out / "soak.timeline.csv", "w", newline="") as f:
-        fields = ["t_s", "rss_mib", "batch_sequences", "queue_depth", "busy", "generations", "http_5xx", "http_429",
-                  "output_tokens"]
+        fields = ["t_s", "rss_mib", "kv_resident_mib", "kv_sessions", "mlx_active_mib", "mlx_cache_mib",
+                  "batch_sequences", "queue_depth", "busy", "generations", "http_5xx", "http_429", "output_tokens"]
         w = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")
         w.writeheader()
         w.writerows(timeline)
@@ -844,6 +850,8 @@ def main() -> None:
     http_5xx = sum(v for k, v in http.items() if k >= "500")
     during = [r for r in scraper.rows if at_warm and at_end and at_warm["t_s"] <= r["t_s"] <= at_end["t_s"]]
     rss_series = [r["rss_mib"] for r in during if r["rss_mib"]]
+    last_scrape = scraper.rows[-1] if scraper.rows else {}
+    max_kv = max((r["kv_resident_mib"] for r in scraper.rows), default=None)
     growth = (rss_end / rss_warm - 1) if rss_warm and rss_end else None
     tokens = (at_end["output_tokens"] - scraper.rows[0]["output_tokens"]) if at_end and scraper.rows else None
     client_5xx = sum(v for k, v in run.codes.items() if k >= 500)
@@ -903,10 +911,11 @@ def main() -> None:
            f"{len(kv_files)} ({sum(f.stat().st_size for f in kv_files) / 2**20:.1f} MiB)",
            f"- cold starts because the matching session was in use: {logged['in_use_cold']}; "
            f"sequences stepped outside the batch: {logged['outside_batch']}",
-           f"- resident KV sessions at the end: at least {logged['shutdown_sessions']} (those checkpointed at "
-           f"shutdown, which writes every resident session not yet on disk): {logged['shutdown_tokens']} tokens, "
-           f"{logged['shutdown_mib']:.1f} MiB; the server exports no count, and the evictions above are the sessions "
-           f"pushed out of `--kv-memory-mb` ({args.kv_memory_mb or 'default 2048'} MiB)",
+           f"- resident KV sessions at the end (`lmsp_kv_sessions`, last scrape): {last_scrape.get('kv_sessions')}, "
+           f"{last_scrape.get('kv_resident_mib')} MiB; {logged['shutdown_sessions']} of them were checkpointed at "
+           f"shutdown ({logged['shutdown_tokens']} tokens, {logged['shutdown_mib']:.1f} MiB); the evictions above are "
+           f"the sessions pushed out of `--kv-memory-mb` ({args.kv_memory_mb or 'default 2048'} MiB). Running "
+           f"sequences cannot be evicted, so the resident KV peaked at {max_kv} MiB during the load",
            "", "## Server log", "",
            f"- {logged['lines']} lines; request lines by status: "
            f"{', '.join(f'{k} {v}' for k, v in logged['statuses'].most_common())}; by route: "
