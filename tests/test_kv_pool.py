@@ -314,3 +314,19 @@ def test_a_sliding_window_cache_goes_back_to_its_turn_snapshot(tiny_model_dir, t
 def _texts(lm, messages):
     prompt = render(lm.tokenizer, messages)
     return prompt.text, prompt.tokens
+
+
+def test_a_running_branch_is_matched_by_its_own_text_only(lm):
+    """A request that reuses part of a session runs on a copy of that prefix. While it runs
+    (before its turn is recorded) another lookup sees the copy: it must match by what the
+    copy's tokens say, never take an unrelated prompt as continuing it."""
+    pool = new_pool(lm)
+    first = [{"role": "user", "content": STORY}]
+    turn(pool, lm, first)
+    prompt = render(lm.tokenizer, [{"role": "user", "content": STORY[:40] + " and then it sank."}])
+    branched = pool.start(prompt.text, prompt.tokens, limit=lm.context_length - 1)
+    assert branched.source == "token" and 0 < branched.cached < len(prompt.tokens)  # a copy of the shared prefix
+    other = render(lm.tokenizer, [{"role": "user", "content": "Something else entirely."}])
+    start = pool.start(other.text, other.tokens, limit=lm.context_length - 1)
+    assert start.tokens == other.tokens  # its own prompt, no other session's tokens in front of it
+    assert start.source in ("token", "cold") and start.cached < len(other.tokens)

@@ -124,7 +124,7 @@ class SessionPool:
         if not s.in_use:
             return start
         try:
-            branch = s.prefix(start.cached)
+            branch = self._branch(s, start.cached)
         except ValueError:  # a sliding-window or recurrent cache that moved on while it runs
             branch = None
         if branch is None:
@@ -133,6 +133,17 @@ class SessionPool:
         cached = len(branch.tokens)
         return Start(branch, start.source, cached, start.tokens, key_chars=start.key_chars if cached == start.cached else 0,
                      tail=start.tail if cached == start.cached else "")
+
+    def _branch(self, s: Session, n: int) -> Session | None:
+        """A copy of `s`'s first `n` tokens (Session.prefix) that other lookups can match while
+        it runs: its text is what its tokens decode to. Without it the branch's text was empty
+        while its tokens were not, and the text-prefix lookup took every prompt as continuing
+        it (an empty string prefixes all), with the branch's tokens in front of the prompt."""
+        branch = s.prefix(n)
+        if branch is not None:
+            branch.text = branch.prompt_text = self._decode(branch.tokens)
+            branch.prompt_tokens = len(branch.tokens)
+        return branch
 
     def abandon(self, start: Start) -> None:
         """The request will not run: forget a session made for it (a live one stays)."""
@@ -165,7 +176,7 @@ class SessionPool:
             best = Start(s, "token", min(shared, n - 1), tokens)
         for s in self.sessions:  # rendered-text prefix: the whole session, or its last prompt
             for part_text, part_tokens in ((s.text, len(s.tokens)), (s.prompt_text, s.prompt_tokens)):
-                if part_tokens and len(text) > len(part_text) and text.startswith(part_text):
+                if part_tokens and part_text and len(text) > len(part_text) and text.startswith(part_text):
                     full = s.tokens[:part_tokens] + self._encode(text[len(part_text):])
                     if len(full) <= limit and (best is None or part_tokens > best.cached):
                         best = Start(s, "text", part_tokens, full)
@@ -212,7 +223,7 @@ class SessionPool:
         s = start.session
         if start.cached == len(s.tokens):
             return start
-        branch = s.prefix(start.cached)
+        branch = self._branch(s, start.cached)
         if branch is None:  # cannot be trimmed and no snapshot early enough
             return Start(Session(cache=self.new_cache()), "cold", 0, start.tokens)
         # A snapshot may sit before the common prefix; start.tokens begins with its tokens.
