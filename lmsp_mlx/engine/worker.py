@@ -432,15 +432,18 @@ class Engine:
             log.exception("the failed sequence's cache could not be handed back")
         log.error("generation failed: %s: %s", type(exc).__name__, exc, exc_info=exc)
         self.pool.finish(run.start, run.seq.sampled, ok=False, binding=None)
-        self._count_kv()
         run.job.emit(Failed(f"generation failed: {type(exc).__name__}: {exc}"))
         self._log(run.job, self.model, "failed", Usage(len(run.start.tokens), 0), 0.0, 0.0)
+        self._count_kv()
 
     def _count_kv(self) -> None:
         """After a sequence ended: the resident KV for /metrics, and the heap's free pages back to the OS."""
-        sessions = list(self.pool.sessions)
-        self.counters.kv_sessions, self.counters.kv_bytes = len(sessions), sum(s.nbytes for s in sessions)
-        self._trim_heap()
+        try:  # bookkeeping: a failure here must not fail the step
+            sessions = list(self.pool.sessions)
+            self.counters.kv_sessions, self.counters.kv_bytes = len(sessions), sum(s.nbytes for s in sessions)
+            self._trim_heap()
+        except Exception:
+            log.exception("the resident KV could not be counted")
 
     def _log(self, job: Job, lm: LoadedModel, status: str, usage: Usage, prefill: float, decode: float, extra: str = "") -> None:
         c = self.counters
