@@ -2,6 +2,7 @@
 
     python benchmarks/concurrency.py [--widths 1,2,4,8,16] [--max-tokens 128] [--requests 32]
                                      [--max-prompt 2000] [--eos-bias -100] [--out DIR]
+                                     [--servers lmsp-mlx,mlx_lm.server] [--append]
 
 For each width W, each server is started on its own (never both at once) with room for W
 sequences at a time (lmsp-mlx `--max-batch W`, mlx_lm.server `--decode-concurrency W
@@ -235,19 +236,23 @@ def main() -> None:
     p.add_argument("--eos-bias", type=float, default=-100.0,
                    help="logit_bias on the end-of-turn tokens, for full-length replies (0: none)")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds one request may take")
+    p.add_argument("--servers", default=",".join(SERVERS), help="which of them to run")
+    p.add_argument("--append", action="store_true",
+                   help="keep the CSV's rows of the other servers and widths (a width added in a later run)")
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
     args = p.parse_args()
     widths = [int(w) for w in args.widths.split(",")]
+    servers = [name for name in SERVERS if name in args.servers.split(",")]
     lengths = [n for n in LENGTHS if n <= args.max_prompt] or [args.max_prompt]
 
     folder = Path(tempfile.mkdtemp(prefix="concurrency-"))
     model_dir, eos, tokenizer = float32_model(folder / "model-f32")
     bias = {str(i): args.eos_bias for i in sorted(eos)} if args.eos_bias else {}
-    rows = []
+    rows, kept = [], earlier_rows(args.out / "concurrency.csv") if args.append else []
     try:
         for width in widths:
             prompts = build_prompts(tokenizer, lengths, max(args.requests, width), width)
-            for name in SERVERS:
+            for name in servers:
                 run_dir = folder / f"{name}-w{width}"
                 run_dir.mkdir()
                 cmd, model = command(name, model_dir, width, run_dir)
@@ -265,7 +270,8 @@ def main() -> None:
                 finally:
                     stop_server(proc)
                 rows.append(row)
-                write_csv(rows, args.out / "concurrency.csv")  # after each, so a cut-short run leaves its rows
+                kept = [r for r in kept if (r["server"], r["width"]) != (name, width)]
+                write_csv(kept + rows, args.out / "concurrency.csv")  # after each, so a cut-short run leaves its rows
                 print(f"{name:>14} width {width:2d}: {row['output_tokens']:5d}/{row['requests'] * args.max_tokens} "
                       f"tokens in {row['wall_s']:7.2f}s = {row['aggregate_tok_s']:7.1f} tok/s, "
                       f"TTFT p50 {row['ttft_p50_s']:.3f}s p95 {row['ttft_p95_s']:.3f}s, "
@@ -274,6 +280,8 @@ def main() -> None:
         print(f"server logs and the float32 model: {folder}", flush=True)
     if not rows:
         raise SystemExit("nothing measured")
+    rows = sorted(kept + rows, key=lambda r: (r["width"], SERVERS.index(r["server"])))
+    widths = sorted({r["width"] for r in rows})
     plot(rows, widths, args.out / "concurrency.png")
 
     by = {(r["server"], r["width"]): r for r in rows}
@@ -289,13 +297,22 @@ def main() -> None:
     print()
     for width in widths:
         ours, theirs = by.get(("lmsp-mlx", width)), by.get(("mlx_lm.server", width))
-        if ours and theirs:
+        if ours and theirs and theirs["aggregate_tok_s"] > 0:
             print(f"width {width:2d}: lmsp-mlx aggregate / mlx_lm.server's = "
                   f"{ours['aggregate_tok_s'] / theirs['aggregate_tok_s']:.3f}")
     top = 8 if ("lmsp-mlx", 8) in by else max(widths)
     if ("lmsp-mlx", 1) in by and top != 1:
         print(f"lmsp-mlx aggregate at width {top} / at width 1 = "
               f"{by[('lmsp-mlx', top)]['aggregate_tok_s'] / by[('lmsp-mlx', 1)]['aggregate_tok_s']:.3f}")
+
+
+def earlier_rows(path: Path) -> list[dict]:
+    """The rows of an earlier run's CSV, numbers as numbers."""
+    if not path.exists():
+        return []
+    with open(path, newline="") as f:
+        return [{k: v if k == "server" else int(v) if v.lstrip("-").isdigit() else float(v) for k, v in r.items()}
+                for r in csv.DictReader(f)]  # float() reads the nan of a width that measured nothing
 
 
 def write_csv(rows: list[dict], path: Path) -> None:
