@@ -135,15 +135,19 @@ class SessionPool:
                      tail=start.tail if cached == start.cached else "")
 
     def _branch(self, s: Session, n: int) -> Session | None:
-        """A copy of `s`'s first `n` tokens (Session.prefix) that other lookups can match while
-        it runs: its text is what its tokens decode to. Without it the branch's text was empty
-        while its tokens were not, and the text-prefix lookup took every prompt as continuing
-        it (an empty string prefixes all), with the branch's tokens in front of the prompt."""
+        """A copy of `s`'s first `n` tokens (Session.prefix), described for other lookups."""
         branch = s.prefix(n)
-        if branch is not None:
-            branch.text = branch.prompt_text = self._decode(branch.tokens)
-            branch.prompt_tokens = len(branch.tokens)
-        return branch
+        return None if branch is None else self._described(branch)
+
+    def _described(self, s: Session) -> Session:
+        """`s` (a branch, a restored checkpoint) with the text its tokens decode to, so other
+        lookups match it by what it holds while it runs, before its turn is recorded. A
+        branch's text was empty while its tokens were not, and the text-prefix lookup took
+        every prompt as continuing it (an empty string prefixes all), with the branch's
+        tokens in front of the prompt."""
+        s.text = s.prompt_text = self._decode(s.tokens)
+        s.prompt_tokens = len(s.tokens)
+        return s
 
     def abandon(self, start: Start) -> None:
         """The request will not run: forget a session made for it (a live one stays)."""
@@ -208,14 +212,15 @@ class SessionPool:
             session.binding = None
             log.info("kv disk: restored %s (%d of its %d tokens: its last prompt)", entry.path.name, cached,
                      entry.tokens)
-            return Start(session, "disk", cached, full)
+            return Start(self._described(session), "disk", cached, full)
         log.info("kv disk: restored %s (%d tokens, %s)", entry.path.name, entry.tokens, entry.kind)
         tail = session.binding.tail if session.binding is not None else ""
         full = session.tokens + self._encode(tail + text[entry.key_chars:])
         if len(full) > limit:
             return None
         keyed = session.binding is not None  # a visible-kind checkpoint
-        return Start(session, "disk", len(session.tokens), full, key_chars=entry.key_chars if keyed else 0, tail=tail)
+        return Start(self._described(session), "disk", len(session.tokens), full,
+                     key_chars=entry.key_chars if keyed else 0, tail=tail)
 
     def _take(self, start: Start) -> Start:
         """Cut the chosen session to the reused prefix: in place when the whole session is
