@@ -20,7 +20,7 @@ from conftest import ask, read_sse
 from test_engine import BusyStream, wait_for_metric
 from tiny_model import CALLS, ENDLESS, FINISHES, TOOL_SCRIPT, build_scripted_model
 
-from lmsp_mlx.engine.batch import Batch, generate, next_prefill
+from lmsp_mlx.engine.batch import Batch, chunk_size, generate, next_prefill
 from lmsp_mlx.engine.constrain import Constraint
 from lmsp_mlx.engine.generate import GenerationParams, Penalties
 from lmsp_mlx.engine.loader import load_model
@@ -61,12 +61,42 @@ def together(lm, seqs: list[Sequence]) -> dict[Sequence, Exception]:
     batch = Batch(lm)
     while live := [s for s in seqs if s.phase is not Phase.DONE and s not in failed]:
         if (s := next_prefill(live)) is not None:
-            s.prefill_chunk(s.params.prefill_step)
+            s.prefill_chunk(chunk_size(s, s.params.prefill_step, len(live) > 1))
         failed |= batch.step([s for s in live if s.phase is Phase.DECODE])
         for s in seqs:
             if s.phase is Phase.DONE or s in failed:
                 batch.release(s)
     return failed
+
+
+def test_a_short_request_prefills_whole_and_a_long_prompt_yields_in_half_chunks(tiny_lm):
+    """The schedule behind a short request's first token while a long prompt prefills: the
+    long one runs half chunks beside others, so the short one that arrives waits for at
+    most half a chunk of it, then prefills whole (no decode step between its chunks)."""
+    enc = tiny_lm.tokenizer.encode
+    new = lambda text, n: Sequence(tiny_lm, GenerationParams(prompt=enc(text * n)[:n], max_tokens=4,  # noqa: E731
+                                                             temperature=0.0, prefill_step=64),
+                                   make_prompt_cache(tiny_lm.model), emit=lambda e: None)
+    long = new("long ", 400)
+    assert chunk_size(long, 64, others=False) == 64
+    assert chunk_size(long, 64, others=True) == 32
+    long.prefill_chunk(chunk_size(long, 64, others=False))  # alone: a whole chunk
+    short = new("short ", 100)  # arrives now: 100 tokens, under 2 chunks
+    assert chunk_size(short, 64, others=True) == short.to_prefill
+    seqs, batch, long_before = [long, short], Batch(tiny_lm), None
+    while short.first is None:
+        s = next_prefill(seqs)
+        done = long.cursor
+        s.prefill_chunk(chunk_size(s, 64, others=True))
+        if long_before is None and s is short:
+            long_before = done
+        batch.step([x for x in seqs if x.phase is Phase.DECODE])
+    assert long_before == 64  # the short one took the next chunk: SRPT, nothing of the long one in between
+    assert long.cursor == 64 and short.phase is Phase.DECODE
+    while long.phase is Phase.PREFILL:  # then the long one advances half a chunk per step
+        before = long.cursor
+        long.prefill_chunk(chunk_size(long, 64, others=True))
+        assert 0 < long.cursor - before <= 32
 
 
 def test_each_sequence_of_a_batch_gets_the_tokens_it_gets_alone(tiny_lm):

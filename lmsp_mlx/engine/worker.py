@@ -32,7 +32,7 @@ from ..cache.pool import Policy, SessionPool
 from ..protocol.problems import Problem
 from .events import Failed, Finished, GenerationEvent, TextDelta, Usage
 from ..cache.pool import Start
-from .batch import Batch, next_prefill
+from .batch import Batch, chunk_size, next_prefill
 from .generate import GenerationParams
 from .loader import LoadedModel, ModelLoadError, load_model
 from .memory import HeapTrimmer
@@ -311,7 +311,7 @@ class Engine:
         if (seq := next_prefill([r.seq for r in self._active])) is not None:
             run = next(r for r in self._active if r.seq is seq)
             try:
-                seq.prefill_chunk(run.job.params.prefill_step)
+                seq.prefill_chunk(chunk_size(seq, run.job.params.prefill_step, len(self._active) > 1))
             except Exception as exc:
                 self._fail(run, exc)
             else:
