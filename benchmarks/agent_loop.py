@@ -45,6 +45,9 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from lmsp_mlx.cpu_blas import accelerate  # noqa: E402
+
+accelerate()  # first: MLX binds its BLAS as mlx.core loads (lmsp_mlx/cpu_blas/__init__.py)
 from lmsp_mlx.engine.model_store import DEFAULT_MODEL, default_models_dir, ensure_packaged_model  # noqa: E402
 
 REASONING_TEMPLATE = (
@@ -57,7 +60,8 @@ REASONING_TEMPLATE = (
 # Started as `python -c WRAPPER ARGS`: mlx_lm.server with the same CPU math as lmsp-mlx.
 MLX_LM_WRAPPER = """
 import sys
-import lmsp_mlx  # routes MLX's float32 matmuls to OpenBLAS before mlx.core loads
+from lmsp_mlx.cpu_blas import accelerate
+accelerate()  # routes MLX's float32 matmuls to OpenBLAS before mlx.core loads
 import mlx_lm.server as server
 from lmsp_mlx.engine import cpu_decode, cpu_math, cpu_prefill
 

@@ -31,7 +31,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from lmsp_mlx import cpu_blas  # noqa: E402  (first: routes MLX's matmuls before mlx.core loads)
+from lmsp_mlx import cpu_blas  # noqa: E402
+
+cpu_blas.accelerate()  # first: MLX binds its BLAS as mlx.core loads
 import mlx.core as mx  # noqa: E402
 import numpy as np  # noqa: E402
 

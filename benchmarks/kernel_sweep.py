@@ -23,7 +23,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.kernels import (  # noqa: E402  (first: lmsp_mlx, which sets up MLX's CPU BLAS)
+from benchmarks.kernels import (  # noqa: E402  (first: it sets up MLX's CPU BLAS)
     EXPERT_HIDDEN, EXPERTS, GROUP, HEAD_DIM, HIDDEN, KV_HEADS, Q_HEADS, SPREAD, TOP_K, best, nbytes, read_bandwidth,
 )
 import mlx.core as mx  # noqa: E402

@@ -44,7 +44,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-import lmsp_mlx  # noqa: E402,F401  (first: on Linux, routes MLX's float32 matmuls to OpenBLAS)
+from lmsp_mlx.cpu_blas import accelerate  # noqa: E402
+
+accelerate()  # first: MLX binds its BLAS as mlx.core loads (lmsp_mlx/cpu_blas/__init__.py)
 import mlx.core as mx  # noqa: E402
 from mlx_lm.models.base import quantized_scaled_dot_product_attention  # noqa: E402
 from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwitchGLU  # noqa: E402

@@ -29,6 +29,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from plots import save, tokens_axes  # noqa: E402
+from lmsp_mlx.cpu_blas import accelerate  # noqa: E402
+
+accelerate()  # first: MLX binds its BLAS as mlx.core loads (lmsp_mlx/cpu_blas/__init__.py)
 from lmsp_mlx.engine.loader import load_model  # noqa: E402
 from lmsp_mlx.engine.model_store import DEFAULT_MODEL, default_models_dir, ensure_packaged_model  # noqa: E402
 

@@ -15,15 +15,21 @@ from pathlib import Path
 
 from platformdirs import user_data_dir
 
-from .engine.loader import ModelLoadError, backend_name
-from .engine.model_store import DEFAULT_MODEL, ModelStoreError, default_models_dir, ensure_packaged_model
-from .cache.pool import Policy
-from .engine.worker import CacheSettings, Engine
-from .server.auth import Tokens, TokensError
-from .server.origins import normalized
-from .server.state import ServerSettings
-from .server.sealing import StateKeyError, load_state_key
-from .store import Database, StoreError
+from .cpu_blas import accelerate
+
+# Where the CPU backend is set up: on Linux, MLX's float32 matmuls go to OpenBLAS only if
+# the shim is loaded before anything imports mlx.core (cpu_blas/__init__.py).
+accelerate()
+
+from .cache.pool import Policy  # noqa: E402
+from .engine.loader import ModelLoadError, backend_name  # noqa: E402
+from .engine.model_store import DEFAULT_MODEL, ModelStoreError, default_models_dir, ensure_packaged_model  # noqa: E402
+from .engine.worker import CacheSettings, Engine  # noqa: E402
+from .http.origins import normalized  # noqa: E402
+from .service.auth import Tokens, TokensError  # noqa: E402
+from .service.sealing import StateKeyError, load_state_key  # noqa: E402
+from .service.state import ServerSettings  # noqa: E402
+from .store import Database, StoreError  # noqa: E402
 
 log = logging.getLogger("lmsp_mlx")
 
@@ -248,7 +254,7 @@ def main(argv: list[str] | None = None) -> int:
 
         log.info("MLX CPU float32 matmuls: %s", status())
 
-    from .server.app import create_app
+    from .http.app import create_app
 
     prefill = args.prefill_chunk or (256 if lm.backend == "cpu" else 2048)
     settings = ServerSettings(prefill_step=prefill, max_body_bytes=int(args.max_body_mb * 1024 * 1024),

@@ -12,7 +12,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-import lmsp_mlx  # noqa: F401  (first: it routes MLX's CPU matmuls to OpenBLAS before mlx.core loads)
+from lmsp_mlx.cpu_blas import accelerate
+
+accelerate()  # first: MLX binds its BLAS as mlx.core loads (lmsp_mlx/cpu_blas/__init__.py)
 
 sys.path.insert(0, str(Path(__file__).parent))
 from tiny_model import ENDLESS, build_tiny_model  # noqa: E402

@@ -299,7 +299,7 @@ def test_a_task_running_at_a_normal_shutdown_ends_cancelled(start_server, tiny_m
 def test_a_recovered_task_ends_past_every_event_its_followers_may_have_been_sent(tmp_path):
     # Followers are sent each event before its batch is stored: a crash may have kept up to
     # FLUSH_EVERY fewer than a follower saw. The final event must still reach that follower.
-    from lmsp_mlx.server.tasks import FLUSH_EVERY, Tasks
+    from lmsp_mlx.service.tasks import FLUSH_EVERY, Tasks
     from lmsp_mlx.store import Database, IdempotencyKeys, StoredEvent, StoredResponses, TaskLog
 
     db = Database(tmp_path / "store.sqlite3")

@@ -14,9 +14,7 @@ import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 
-# The owner of every request on a server without tokens (server/auth.py hashes tokens
-# into the others): what the KV state remembers as its owner where none is known.
-LOCAL_OWNER = "local"
+from ..protocol.auth import LOCAL_OWNER
 
 
 @dataclass(frozen=True)
@@ -24,7 +22,7 @@ class CallTurn:
     call_ids: tuple[str, ...]
     visible: str  # the turn's sampled text after any reasoning, call markup included
     items: tuple  # the conversation's input items through this turn's output, as JSON dicts
-    head: str = ""  # the compacted conversation's text the items continue (server/compaction.py)
+    head: str = ""  # the compacted conversation's text the items continue (lmsp_mlx/service/compaction.py)
     owner: str = LOCAL_OWNER  # the token whose request made the turn: it alone continues it by call id
 
 

@@ -46,7 +46,8 @@ import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 from mlx_lm.models import cache as mlx_cache
 
-from .calls import LOCAL_OWNER, CallMemory, CallTurn
+from ..protocol.auth import LOCAL_OWNER
+from .calls import CallMemory, CallTurn
 from .session import Binding, Session, prefix_state, restore
 
 log = logging.getLogger("lmsp_mlx.cache")
@@ -349,7 +350,7 @@ class CheckpointStore:
                 if self._index(final):
                     log.info("kv disk: wrote %s (%s tokens, %.1f MiB) in %.2fs", final.name, meta["token_count"],
                              final.stat().st_size / 2**20, time.perf_counter() - began)
-                self.enforce_budget(keep=final)
+                self.enforce_budget(spare=final)
             except Exception as exc:  # a full disk must not take the server down
                 log.warning("kv disk: cannot write %s: %s: %s", final.name, type(exc).__name__, exc)
             finally:
@@ -372,13 +373,13 @@ class CheckpointStore:
         except OSError as exc:
             log.warning("kv disk: cannot update %s: %s", entry.path.name, exc)
 
-    def enforce_budget(self, keep: Path | None = None) -> None:
+    def enforce_budget(self, spare: Path | None = None) -> None:
         """Remove the lowest-scoring files until the total fits; the newest file stays."""
         now = time.time()
         with self._lock:
-            newest = max(self.entries.values(), key=lambda e: (e.created, e.path == keep), default=None)
+            newest = max(self.entries.values(), key=lambda e: (e.created, e.path == spare), default=None)
             while self.total > self.budget and len(self.entries) > 1:
-                victims = [e for e in self.entries.values() if e is not newest and e.path != keep]
+                victims = [e for e in self.entries.values() if e is not newest and e.path != spare]
                 if not victims:
                     break
                 worst = min(victims, key=lambda e: e.score(now))

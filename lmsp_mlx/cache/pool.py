@@ -5,7 +5,7 @@ must be trimmed gives way to a text prefix or a checkpoint that reuses more toke
 
 1. `visible`: a session's binding key (the visible transcript of its last turn) is a prefix
    of the request's rendered text (as a visible-only replay renders it, where the request
-   revealed sealed hidden reasoning: server/sealing.py). The KV, with any hidden reasoning
+   revealed sealed hidden reasoning: lmsp_mlx/service/sealing.py). The KV, with any hidden reasoning
    the client did not replay, is continued; only the binding's tail and the new text are
    prefilled.
 2. `token`: a session's tokens are a prefix of the request's tokens (exact), or share a
@@ -31,11 +31,12 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
+from typing import Literal
 
 from mlx_lm.models.cache import KVCache, QuantizedKVCache, make_prompt_cache
 
 from .disk import CheckpointStore
-from .calls import LOCAL_OWNER
+from ..protocol.auth import LOCAL_OWNER
 from .session import Binding, Session
 
 log = logging.getLogger("lmsp_mlx.cache")
@@ -52,10 +53,15 @@ class Policy:
     kv_group_size: int = 64
 
 
+# Where a request's KV came from, in the lookup order (module docstring), as the
+# `cache_source=` log line names it.
+CacheSource = Literal["visible", "token", "text", "disk", "cold"]
+
+
 @dataclass
 class Start:
     session: Session
-    source: str  # visible | token | text | disk | cold
+    source: CacheSource
     cached: int  # tokens already in the KV
     tokens: list[int]  # what the KV holds once the prompt is prefilled: cached + suffix
     made: bool = False  # the lookup made this session (cold, a copied prefix, a restore)
@@ -278,7 +284,7 @@ class SessionPool:
             self.checkpoint(s, "tool-call")
         elif new >= self.policy.checkpoint_min_tokens or grown >= self.policy.checkpoint_every:
             self.checkpoint(s, "prefill" if new >= self.policy.checkpoint_min_tokens else "growth")
-        self._enforce_budget(keep=s)
+        self._enforce_budget(spare=s)
 
     def checkpoint(self, s: Session, reason: str) -> None:
         if self.disk is None or not s.tokens:
@@ -341,9 +347,9 @@ class SessionPool:
         if s in self.sessions:
             self.sessions.remove(s)
 
-    def _enforce_budget(self, keep: Session) -> None:
+    def _enforce_budget(self, spare: Session) -> None:
         while sum(s.nbytes for s in self.sessions) > self.policy.memory_bytes and len(self.sessions) > 1:
-            idle = [s for s in self.sessions if s is not keep and not s.in_use]  # running ones stay
+            idle = [s for s in self.sessions if s is not spare and not s.in_use]  # running ones stay
             if not idle:
                 return
             victim = min(idle, key=lambda s: s.last_used)

@@ -15,7 +15,7 @@ import mlx.core as mx
 from mlx.utils import tree_flatten, tree_map
 from mlx_lm.models import cache as mlx_cache
 
-from .calls import LOCAL_OWNER
+from ..protocol.auth import LOCAL_OWNER
 
 
 @dataclass(frozen=True)
@@ -111,7 +111,7 @@ class Session:
     prompt_tokens: int = 0  # the last request's prompt: the turn boundary
     prompt_text: str = ""
     binding: Binding | None = None
-    owner: str = LOCAL_OWNER  # the token whose turn the binding records (server/auth.py)
+    owner: str = LOCAL_OWNER  # the token whose turn the binding records (lmsp_mlx/http/auth.py)
     calls: Any = None  # calls.CallTurn of the last turn, when it made tool calls
     snapshots: list[Snapshot] = field(default_factory=list)
     saved_tokens: int = 0  # tokens in the newest checkpoint of this session's current line

@@ -6,6 +6,10 @@ symbol scope before `mlx.core` is imported, so MLX's `cblas_sgemm` resolves to t
 which forwards to the OpenBLAS inside numpy's wheel (one BLAS thread pool per process)
 and sends one-row/one-column products to sgemv. macOS is left alone (Accelerate, Metal).
 Set LMSP_STOCK_BLAS=1 to measure the stock path.
+
+Importing lmsp_mlx changes nothing: a process calls `accelerate()` itself, first, before
+anything imports mlx.core (serve.py, tests/conftest.py and the benchmarks do). The loader
+warns where a CPU model loads without it.
 """
 
 from __future__ import annotations
@@ -46,7 +50,7 @@ def accelerate() -> str:
     if _shim is not None or not sys.platform.startswith("linux") or os.environ.get("LMSP_STOCK_BLAS"):
         return _status
     if "mlx.core" in sys.modules:
-        log.warning("mlx.core was imported before lmsp_mlx: MLX matmuls stay on the stock reference BLAS (slow)")
+        log.warning("mlx.core was imported before accelerate(): MLX matmuls stay on the stock reference BLAS (slow)")
         return _status
     shim = importlib.util.find_spec("lmsp_mlx.cpu_blas._shim")
     openblas = _numpy_openblas()

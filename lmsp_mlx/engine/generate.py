@@ -41,7 +41,7 @@ class Penalties:
     @functools.lru_cache(maxsize=4)
     def _bias(self, width: int) -> mx.array:
         """The logit_bias shift over the vocabulary, built once per reply, not per step (ids
-        were checked against the vocabulary in server/run.py)."""
+        were checked against the vocabulary in lmsp_mlx/service/run.py)."""
         shift = mx.zeros((width,), dtype=mx.float32)
         if self.bias:
             ids, values = zip(*self.bias)

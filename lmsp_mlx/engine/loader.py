@@ -10,6 +10,8 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -169,7 +171,12 @@ def load_model(path: Path, *, model_id: str | None = None, ctx: int | None = Non
         raise ModelLoadError(f"cannot load {path}: {type(exc).__name__}: {exc}") from None
     stored = _describe_quantization(config)
     if backend == "cpu":
+        from ..cpu_blas import status
         from . import cpu_decode, cpu_math, cpu_prefill
+
+        if status() == "stock" and sys.platform.startswith("linux") and not os.environ.get("LMSP_STOCK_BLAS"):
+            log.warning("MLX's float32 matmuls run on its stock reference BLAS (slow): call "
+                        "lmsp_mlx.cpu_blas.accelerate() before anything imports mlx.core")
 
         experts = _to_float32(model)
         quantization = "float32" if stored.startswith("float") else f"float32 (dequantized from {stored})"

@@ -122,13 +122,13 @@ class OutputParser:
                 else:
                     self.state = "reasoning"
                 continue
-            keep = 0 if final else _held_back(self._buf, self._markers())
+            held = 0 if final else _held_back(self._buf, self._markers())
             if final and self._cut and self.state == "text" and self.tools is not None:
                 # Cut while writing the call marker: dropped like the call it began.
                 if begun := _held_back(self._buf, [self.fmt.call[0]]):
                     self._buf, self.dropped = self._buf[: len(self._buf) - begun], True
-            out.append(self._piece(self._buf[: len(self._buf) - keep]))
-            self._buf = self._buf[len(self._buf) - keep:]
+            out.append(self._piece(self._buf[: len(self._buf) - held]))
+            self._buf = self._buf[len(self._buf) - held:]
             return [e for e in out if e is not None]
 
     def _piece(self, text: str):

@@ -63,7 +63,7 @@ def to_chat_messages(
     i = 0
     while i < len(items):
         item = items[i]
-        if isinstance(item, CompactionItem):  # server/compaction.py expands these before rendering
+        if isinstance(item, CompactionItem):  # lmsp_mlx/service/compaction.py expands these before rendering
             raise Problem("invalid_request", "a compaction item cannot be rendered here", param=f"input[{i}]")
         if isinstance(item, MessageItem) and item.role != "assistant":
             _check_content(item, i)

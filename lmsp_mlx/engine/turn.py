@@ -7,7 +7,8 @@ import logging
 from dataclasses import dataclass, field, replace
 from typing import Callable
 
-from ..cache.calls import LOCAL_OWNER, CallMemory, CallTurn
+from ..cache.calls import CallMemory, CallTurn
+from ..protocol.auth import LOCAL_OWNER
 from ..cache.session import Binding
 from ..protocol.ids import new_id
 from ..protocol.problems import Problem
@@ -45,7 +46,7 @@ class Conversation:
     live_calls: tuple[str, ...] = ()  # a tool-output-only request: the live calls it continues
     head: str = ""
     callable: tuple[str, ...] | None = None  # the tools the reply may call, by name; None: all of `tools`
-    owner: str = LOCAL_OWNER  # the token that sent it (server/auth.py): who may continue its calls by call id
+    owner: str = LOCAL_OWNER  # the token that sent it (lmsp_mlx/http/auth.py): who may continue its calls by call id
 
     def messages(self, memory: CallMemory | None, more: list[InputItem] = (), hidden: list[str] | None = None) -> list[dict]:
         return to_chat_messages(

@@ -26,10 +26,11 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from ..cache.calls import LOCAL_OWNER, CallMemory
+from ..cache.calls import CallMemory
+from ..protocol.auth import LOCAL_OWNER
+from ..protocol.routes import Route
 from ..cache.disk import CheckpointStore
 from ..cache.pool import Policy, SessionPool
-from ..protocol.problems import Problem
 from .events import Failed, Finished, GenerationEvent, TextDelta, Usage
 from ..cache.pool import Start
 from .batch import Batch, chunk_size, next_prefill
@@ -42,10 +43,21 @@ from .turn import Conversation, TurnOutput
 log = logging.getLogger("lmsp_mlx.engine")
 
 
+class QueueFull(Exception):
+    """`--max-queue` requests already wait for the batch. `retry_after`: about when a slot
+    frees, in seconds (the recent time per request); the HTTP layer answers 429 with it."""
+
+    def __init__(self, waiting: int, retry_after: int) -> None:
+        super().__init__(f"{waiting} request{' is' if waiting == 1 else 's are'} already waiting for the model; "
+                         f"retry in about {retry_after} s")
+        self.waiting = waiting
+        self.retry_after = retry_after
+
+
 @dataclass(eq=False)  # compared by identity (Engine.withdraw finds it in the queue)
 class Job:
     params: GenerationParams
-    route: str
+    route: Route
     loop: asyncio.AbstractEventLoop
     text: str = ""  # the rendered prompt: what text-prefix lookups compare
     visible: str | None = None  # the prompt as a visible-only replay renders, where `text` reveals hidden reasoning
@@ -233,7 +245,7 @@ class Engine:
                 return False
         return len(self._active) + ahead >= self.max_batch
 
-    def submit(self, params: GenerationParams, route: str, text: str = "", conv: Conversation | None = None,
+    def submit(self, params: GenerationParams, route: Route, text: str = "", conv: Conversation | None = None,
                visible: str | None = None, keep_history: str | None = None) -> Job:
         job = Job(params=params, route=route, loop=asyncio.get_running_loop(), text=text, conv=conv, visible=visible,
                   keep_history=keep_history)
@@ -241,13 +253,7 @@ class Engine:
             self._jobs.put_nowait(job)
         except queue.Full:
             # A slot frees when the running job ends: about the recent time per job.
-            wait = max(1, math.ceil(self._job_seconds))
-            raise Problem(
-                "queue_full",
-                f"{self._jobs.maxsize} request{' is' if self._jobs.maxsize == 1 else 's are'} already waiting for "
-                f"the model; retry in about {wait} s",
-                headers={"Retry-After": str(wait)},
-            ) from None
+            raise QueueFull(self._jobs.maxsize, max(1, math.ceil(self._job_seconds))) from None
         return job
 
     def _run(self) -> None:

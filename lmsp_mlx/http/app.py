@@ -3,61 +3,35 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
-import re
 import time
 
 from quart import Quart, Response, g, has_request_context, request, websocket
 from werkzeug.exceptions import HTTPException
 
 from .. import LMSP_VERSION
-from ..engine.worker import Engine
+from ..engine.worker import Engine, QueueFull
 from ..protocol.problems import Problem
 from ..store import Database, IdempotencyKeys, StoredResponses, TaskLog
-from . import chat, completions, lmsp, openai
-from .auth import Tokens, authorize, requires
+from ..service.auth import Tokens
+from ..service.sealing import Sealer
+from ..service.state import ServerSettings, ServerState
+from ..service.tasks import Tasks
+from . import chat, completions, lmsp, responses
+from .auth import authorize, requires
+from .context import STATE
 from .origins import Origins
-from .sealing import Sealer
-from .state import ServerSettings, ServerState
-from .tasks import Tasks
+from .problems import loggable_path, problem_response, queue_full
 
 log = logging.getLogger("lmsp_mlx.server")
 
 _HTTP_CODES = {404: "not_found", 405: "method_not_allowed", 413: "payload_too_large"}
 
 
-def _loggable(path: str) -> str:
-    """A request path as a log line may show it: decoded control characters (%0a, %00)
-    escaped, so a URL cannot forge or break lines."""
-    return re.sub(r"[\x00-\x1f\x7f]", lambda m: f"\\x{ord(m.group()):02x}", path)
-
-
-def _is_v1(path: str) -> bool:
-    return path == "/v1" or path.startswith("/v1/")
-
-
-def problem_response(problem: Problem) -> Response:
-    """LMSP routes get RFC 9457 documents; /v1 routes get OpenAI's `{"error": ...}`. A
-    refused WebSocket handshake gets the same document as an HTTP reply."""
-    method, path = (request.method, request.path) if has_request_context() else ("WEBSOCKET", websocket.path)
-    if _is_v1(path):
-        body, mimetype = {"error": problem.openai_error()}, "application/json"
-    else:
-        body, mimetype = problem.document(), "application/problem+json"
-    detail = problem.detail if len(problem.detail) <= 300 else problem.detail[:300] + "..."
-    log.info("request %s %s status=%d code=%s%s detail=%r", method, _loggable(path), problem.status, problem.code,
-             f" param={problem.param}" if problem.param else "", detail)
-    resp = Response(json.dumps(body), status=problem.status, mimetype=mimetype)
-    for name, value in problem.headers.items():
-        resp.headers[name] = value
-    return resp
-
-
 def create_app(engine: Engine, settings: ServerSettings, tokens: Tokens, db: Database, state_key: bytes) -> Quart:
     """The app over a started engine and an open store; tasks a previous process left
     running are marked failed here, before any request can ask for them. `state_key` seals
-    the state clients carry (server/sealing.py)."""
+    the state clients carry (lmsp_mlx/service/sealing.py)."""
     app = Quart("lmsp_mlx")
     app.json.sort_keys = False  # keep the documented field order (id, object, ...)
     app.config["MAX_CONTENT_LENGTH"] = settings.max_body_bytes
@@ -66,21 +40,21 @@ def create_app(engine: Engine, settings: ServerSettings, tokens: Tokens, db: Dat
     if "conversations" not in engine.model.capabilities:  # the store is always there
         engine.model.capabilities = (*engine.model.capabilities, "conversations")
     tasks = Tasks(TaskLog(db), IdempotencyKeys(db))
-    responses = StoredResponses(db)
-    tasks.recover(responses)
-    if lost := responses.recover(Problem("internal_error", "the service stopped while this response was "
+    stored = StoredResponses(db)
+    tasks.recover(stored)
+    if lost := stored.recover(Problem("internal_error", "the service stopped while this response was "
                                          "running").document()):
         log.warning("%d stored response(s) were running when the service stopped: marked failed", lost)
-    app.extensions["lmsp_mlx"] = ServerState(engine, settings, tokens, responses, tasks,
+    app.extensions[STATE] = ServerState(engine, settings, tokens, stored, tasks,
                                              Sealer(state_key, engine.model.fingerprint))
     app.register_blueprint(lmsp.bp)
-    app.register_blueprint(openai.bp)
+    app.register_blueprint(responses.bp)
     app.register_blueprint(chat.bp)
     app.register_blueprint(completions.bp)
 
     @app.before_serving
     async def start_sweeper():
-        app.extensions["lmsp_mlx_sweeper"] = asyncio.create_task(_sweep_forever(settings, responses, tasks))
+        app.extensions["lmsp_mlx_sweeper"] = asyncio.create_task(_sweep_forever(settings, stored, tasks))
 
     @app.after_serving
     async def stop_background():
@@ -88,7 +62,7 @@ def create_app(engine: Engine, settings: ServerSettings, tokens: Tokens, db: Dat
         await tasks.shutdown()
         # Stored responses still running (their streams were ended by the shutdown) are
         # kept as they ended before the process goes.
-        running = [run.ended() for _, run in list(app.extensions["lmsp_mlx"].running.values())]
+        running = [r.run.ended() for r in list(app.extensions[STATE].running.values())]
         if running:
             await asyncio.wait([asyncio.ensure_future(r) for r in running], timeout=10)
 
@@ -115,7 +89,7 @@ def create_app(engine: Engine, settings: ServerSettings, tokens: Tokens, db: Dat
             "# TYPE lmsp_mlx_cache_bytes gauge", f"lmsp_mlx_cache_bytes {memory.mlx_cache_bytes}",
             "# TYPE lmsp_http_responses_total counter",
             *(f'lmsp_http_responses_total{{code="{k}"}} {v}'
-              for k, v in sorted(app.extensions["lmsp_mlx"].http_statuses.items())),
+              for k, v in sorted(app.extensions[STATE].http_statuses.items())),
         ]
         return Response("\n".join(lines) + "\n", mimetype="text/plain; version=0.0.4")
 
@@ -150,18 +124,22 @@ def create_app(engine: Engine, settings: ServerSettings, tokens: Tokens, db: Dat
     async def version_header(resp: Response) -> Response:
         resp.headers["LMSP-Version"] = LMSP_VERSION
         origins.decorate(resp, request.headers.get("Origin"))
-        statuses = app.extensions["lmsp_mlx"].http_statuses
+        statuses = app.extensions[STATE].http_statuses
         statuses[resp.status_code] = statuses.get(resp.status_code, 0) + 1
         # One line per request: a generation's is the worker's (tokens, rates, status), an
         # error's is problem_response's; the rest get theirs here, but for liveness probes.
         if resp.status_code < 400 and not g.get("generation") and request.path != "/healthz":
-            log.info("request %s %s status=%d ms=%.0f", request.method, _loggable(request.path), resp.status_code,
+            log.info("request %s %s status=%d ms=%.0f", request.method, loggable_path(request.path), resp.status_code,
                      (time.perf_counter() - g.get("arrived", time.perf_counter())) * 1000)
         return resp
 
     @app.errorhandler(Problem)
     async def on_problem(problem: Problem):
         return problem_response(problem)
+
+    @app.errorhandler(QueueFull)
+    async def on_queue_full(exc: QueueFull):
+        return problem_response(queue_full(exc))
 
     @app.errorhandler(HTTPException)
     async def on_http_error(exc: HTTPException):
@@ -170,27 +148,27 @@ def create_app(engine: Engine, settings: ServerSettings, tokens: Tokens, db: Dat
         if exc.code == 413:
             detail = f"the request body exceeds {settings.max_body_bytes} bytes"
         # Keep what the HTTP error itself must say (e.g. `Allow` on a 405).
-        keep = {k: v for k, v in exc.get_headers() if k.lower() != "content-type"}
-        problem = Problem(code, detail, headers=keep)
+        headers = {k: v for k, v in exc.get_headers() if k.lower() != "content-type"}
+        problem = Problem(code, detail, headers=headers)
         problem.status = exc.code or problem.status
         return problem_response(problem)
 
     @app.errorhandler(Exception)
     async def on_unexpected(exc: Exception):
         method, path = (request.method, request.path) if has_request_context() else ("WEBSOCKET", websocket.path)
-        log.exception("unhandled error on %s %s", method, _loggable(path))
+        log.exception("unhandled error on %s %s", method, loggable_path(path))
         return problem_response(Problem("internal_error", f"{type(exc).__name__}: {exc}"))
 
     return app
 
 
-async def _sweep_forever(settings: ServerSettings, responses: StoredResponses, tasks: Tasks) -> None:
+async def _sweep_forever(settings: ServerSettings, stored: StoredResponses, tasks: Tasks) -> None:
     """Delete what is past retention, at a tenth of the shorter retention (at most every minute)."""
     period = min(60.0, settings.event_retention / 10, settings.store_retention / 10)
     while True:
         try:
             now = time.time()
-            gone = await asyncio.to_thread(responses.sweep, now - settings.store_retention)
+            gone = await asyncio.to_thread(stored.sweep, now - settings.store_retention)
             logs, old = await asyncio.to_thread(tasks.log.sweep, now - settings.event_retention, now - settings.store_retention)
             keys = await asyncio.to_thread(tasks.keys.sweep)
             if gone or logs or old or keys:

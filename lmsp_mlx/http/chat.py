@@ -16,11 +16,13 @@ from quart import Blueprint
 from ..protocol.chat import (ChatRequest, chat_param, chat_usage, chunk, completion, completion_id, parse_chat,
                              to_responses)
 from ..protocol.problems import Problem
-from ..protocol.responses import FunctionCallOutput, MessageOutput
 from .auth import requires
-from .run import ResponseRun, start_run
-from .sse import OpenResponsesEvents, json_text, sse_response
-from .state import read_json
+from ..protocol.sse import OpenResponsesEvents, data_frame
+from ..protocol.item_events import ChatDelta, chat_delta
+from ..service.run import ResponseRun
+from .body import read_json
+from .context import start_run
+from .sse import sse_response
 
 bp = Blueprint("chat", __name__, url_prefix="/v1")
 
@@ -55,9 +57,9 @@ class StopScanner:
         hits = [i for i in (text.find(s) for s in self.stops) if i >= 0]
         if hits:
             return text[: min(hits)], True
-        keep = max((k for s in self.stops for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
-        if keep:
-            text, self.held = text[:-keep], text[-keep:]
+        partial = max((k for s in self.stops for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
+        if partial:  # the text may end in the start of a stop sequence: held until the next piece
+            text, self.held = text[:-partial], text[-partial:]
         return text, False
 
     def flush(self) -> str:
@@ -82,17 +84,18 @@ class ChatReply:
         async for e in self.run.events():
             if self.stopped:
                 continue
-            if e.kind == "text":  # the engine ends the turn on the token that completes a stop
+            delta = chat_delta(e)
+            if delta is ChatDelta.CONTENT:  # the engine ends the turn on the token that completes a stop
                 text, self.stopped = self.scanner.feed(e.delta)
                 if text:
                     yield {"content": text}
-            elif e.kind == "reasoning":  # stop sequences apply to the content only
+            elif delta is ChatDelta.REASONING:  # stop sequences apply to the content only
                 self.reasoning.append(e.delta)
                 yield {"reasoning_content": e.delta}
-            elif e.kind == "done" and isinstance(e.item, MessageOutput):
+            elif delta is ChatDelta.FLUSH:
                 if held := self.scanner.flush():
                     yield {"content": held}
-            elif e.kind == "done" and isinstance(e.item, FunctionCallOutput):
+            elif delta is ChatDelta.TOOL_CALL:
                 call = {"id": e.item.call_id, "type": "function",
                         "function": {"name": e.item.name, "arguments": e.item.arguments}}
                 self.calls.append(call)
@@ -109,7 +112,7 @@ class ChatReply:
         """Why the run ended without an answer: the generation failed, or the server is
         shutting down."""
         if self.run.status == "failed":
-            return Problem(self.run.error["code"], self.run.error["detail"])
+            return self.run.error
         if self.run.status == "cancelled":
             return Problem("internal_error", "the server is shutting down")
         return None
@@ -133,14 +136,14 @@ class ChatReply:
         nothing = None if usage else False  # with include_usage every chunk has `usage`, null until the last
 
         def data(delta: dict[str, Any] | None, finish: str | None = None, usage: Any = nothing) -> str:
-            return f"data: {json_text(chunk(self.id, self.run.created_at, self.chat.model, delta, finish, usage))}\n\n"
+            return data_frame(chunk(self.id, self.run.created_at, self.chat.model, delta, finish, usage))
 
         try:
             yield data({"role": "assistant", "content": ""})
             async for d in self.deltas():
                 yield data(d)
             if problem := self.failure():
-                yield f"data: {json_text({'error': problem.openai_error()})}\n\n"
+                yield data_frame({"error": problem.openai_error()})
             else:
                 yield data({}, self.finish_reason())
                 if usage:

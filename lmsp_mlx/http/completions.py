@@ -1,7 +1,7 @@
 """POST /v1/completions: the prompt continued as it is, over the same engine and KV sessions
 (a prompt that repeats an earlier one's tokens or text reuses its KV).
 
-Stop sequences work as on Chat (server/chat.py): the engine ends the turn on the token
+Stop sequences work as on Chat (lmsp_mlx/http/chat.py): the engine ends the turn on the token
 that completes one, and the text is cut there, held back where it may begin one.
 """
 
@@ -11,7 +11,7 @@ import asyncio
 import time
 from typing import Any, AsyncIterator
 
-from quart import Blueprint, g
+from quart import Blueprint
 
 from ..engine.events import Failed, Finished, TextDelta
 from ..engine.generate import GenerationParams
@@ -21,9 +21,11 @@ from ..protocol.completions import CompletionRequest, completion_id, parse_compl
 from ..protocol.problems import Problem
 from .auth import requires
 from .chat import StopScanner
-from .run import sampling
-from .sse import OpenResponsesEvents, json_text, sse_response
-from .state import read_json, state
+from ..protocol.sse import OpenResponsesEvents, data_frame
+from ..service.run import sampling
+from .body import read_json
+from .context import generation_logged, state
+from .sse import sse_response
 
 bp = Blueprint("completions", __name__, url_prefix="/v1")
 
@@ -46,7 +48,7 @@ async def create_completion():
                               stop=tuple(req.stops()), raw=True, ignore_eos=req.ignore_eos,
                               **sampling(req, lm.vocab_size))
     job = s.engine.submit(params, "completions", text=text)
-    g.generation = True  # the worker logs this request's line
+    generation_logged()
     reply = TextReply(s.engine, job, req, text)
     if not req.stream:
         return await reply.complete()
@@ -114,7 +116,7 @@ class TextReply:
     async def chunks(self) -> AsyncIterator[str]:
         """data: frames, as OpenAI streams them (no event names), ending with [DONE]."""
         def data(text: str, finish: str | None = None) -> str:
-            return f"data: {json_text(text_completion(self.id, self.created, self.req.model, text, finish))}\n\n"
+            return data_frame(text_completion(self.id, self.created, self.req.model, text, finish))
 
         if self.prefix:
             yield data(self.prefix)
@@ -122,10 +124,10 @@ class TextReply:
             async for piece in self.pieces():
                 yield data(piece)
         except Problem as problem:
-            yield f"data: {json_text({'error': problem.openai_error()})}\n\n"
+            yield data_frame({"error": problem.openai_error()})
         else:
             yield data("", self.finish_reason())
             if self.req.stream_options and self.req.stream_options.include_usage:
                 chunk = text_completion(self.id, self.created, self.req.model, "", None, self.usage(), choices=False)
-                yield f"data: {json_text(chunk)}\n\n"
+                yield data_frame(chunk)
         yield OpenResponsesEvents.DONE

@@ -10,13 +10,16 @@ from quart import Blueprint, request
 from .. import LMSP_VERSION, __version__
 from ..protocol.problems import Problem
 from ..protocol.requests import parse_request
-from ..protocol.responses import FunctionCallOutput
 from ..store import TaskRecord
-from .auth import owner, requires
-from .run import ResponseRun, compact, start_run, stored_response
-from .sse import LmspEvents, SseEvent, sse_response
-from .state import read_json, state
-from .tasks import LiveTask
+from ..protocol.sse import LmspEvents, SseEvent
+from ..service.responses import stored_response
+from ..protocol.item_events import events_for
+from ..service.run import ResponseRun
+from ..service.tasks import LiveTask
+from .auth import requires
+from .body import read_json
+from .context import compact_conversation, owner, start_run, state
+from .sse import sse_response
 
 bp = Blueprint("lmsp", __name__, url_prefix="/lmsp/v1")
 
@@ -93,13 +96,13 @@ async def compact_response():
 
     An extension of section 6, as on /v1: the item's sealed content resumes the
     conversation's checkpointed KV (or, where that is gone, a summary the model wrote)."""
-    return await compact("lmsp")
+    return await compact_conversation("lmsp")
 
 
 @bp.get("/responses/<response_id>")
 @requires("responses:read")
 async def get_response(response_id: str):
-    return (await stored_response(response_id)).response
+    return (await stored_response(state(), owner(), response_id)).response
 
 
 @bp.post("/tasks")
@@ -196,19 +199,8 @@ async def stream_lmsp(run: ResponseRun) -> AsyncIterator[SseEvent]:
     try:
         yield event("response.created", status="in_progress")
         async for e in run.events():
-            where = {"item_id": e.item.id, "output_index": e.index}
-            if e.kind == "added":
-                yield event("response.output_item.added", output_index=e.index, item=e.item.model_dump())
-            elif e.kind == "text":
-                yield event("response.output_text.delta", **where, content_index=0, delta=e.delta)
-            elif e.kind == "reasoning":
-                yield event("response.reasoning_summary_text.delta", **where, summary_index=0, delta=e.delta)
-            elif e.kind == "arguments":
-                yield event("response.function_call_arguments.delta", **where, delta=e.delta)
-            elif e.kind == "done":
-                if isinstance(e.item, FunctionCallOutput):
-                    yield event("response.function_call_arguments.done", **where, arguments=e.item.arguments)
-                yield event("response.output_item.done", output_index=e.index, item=e.item.model_dump())
+            for name, fields in events_for(e, "lmsp"):
+                yield event(name, **fields)
         if run.status == "cancelled":
             yield event("response.cancelled", status="cancelled")
             return
@@ -222,6 +214,6 @@ async def stream_lmsp(run: ResponseRun) -> AsyncIterator[SseEvent]:
                 incomplete_details=resp.incomplete_details.model_dump(), usage=usage,
             )
         else:
-            yield event("response.failed", status="failed", error=run.error)
+            yield event("response.failed", status="failed", error=run.error.document())
     finally:
         run.cancel()

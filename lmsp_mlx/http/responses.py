@@ -12,16 +12,20 @@ from typing import AsyncIterator
 
 from quart import Blueprint, request, websocket
 
+from ..engine.worker import QueueFull
 from ..protocol.problems import Problem
 from ..protocol.requests import json_object, parse_request
 from ..store.responses import Stored
-from ..protocol.responses import (CustomToolCallOutput, MessageOutput, ReasoningOutput, ResponseObject, v1_input_item,
-                                  v1_item, v1_response)
-from .auth import owner, requires
-from .items import ItemEvent
-from .run import ResponseRun, compact, new_run, start_run, stored_response
-from .sse import OpenResponsesEvents, SseEvent, V1Event, sse_response
-from .state import decode_json, read_json, state
+from ..protocol.responses import ResponseObject, v1_input_item, v1_response
+from ..protocol.sse import OpenResponsesEvents, SseEvent, V1Event
+from ..protocol.item_events import events_for
+from ..service.responses import new_run, stored_response
+from ..service.run import ResponseRun
+from .auth import requires
+from .body import decode_json, read_json
+from .context import compact_conversation, owner, start_run, state
+from .problems import queue_full
+from .sse import sse_response
 
 bp = Blueprint("openai", __name__, url_prefix="/v1")
 
@@ -73,7 +77,7 @@ async def count_input_tokens():
     body = json_object(await read_json())
     body.setdefault("model", state().engine.model.id)  # optional here, as on OpenAI
     body.setdefault("input", [])
-    run = await new_run("v1", parse_request(body))
+    run = await new_run(state(), owner(), "v1", parse_request(body))
     prompt = (await run.prompt())[2]
     return {"object": "response.input_tokens", "input_tokens": len(prompt.tokens)}
 
@@ -85,7 +89,7 @@ async def cancel_response(response_id: str):
     s, who = state(), owner()
     task = next((t for t in list(s.tasks.live.values()) if t.run.id == response_id and t.owner == who), None)
     if task is None:
-        stored = await stored_response(response_id)
+        stored = await stored_response(state(), owner(), response_id)
         req = parse_request(stored.request)
         if not req.background:
             raise Problem("invalid_request", "only a background response can be cancelled", param="response_id")
@@ -103,7 +107,7 @@ async def compact_response():
 
     The item's sealed content resumes the conversation's checkpointed KV (or, where that
     is gone, a summary the model wrote)."""
-    return await compact("v1")
+    return await compact_conversation("v1")
 
 
 @bp.get("/responses/<response_id>")
@@ -111,11 +115,11 @@ async def compact_response():
 async def get_response(response_id: str):
     if request.args.get("stream", "false").lower() in ("true", "1"):
         return await _stream_again(response_id)
-    stored = await stored_response(response_id)
+    stored = await stored_response(state(), owner(), response_id)
     req = parse_request(stored.request)
     out = v1_response(ResponseObject.model_validate(stored.response), req, stored.completed_at)
     running = state().running.get(response_id)
-    return _queued(out, running[1]) if running is not None else out
+    return _queued(out, running.run) if running is not None else out
 
 
 def _queued(out: dict, run: ResponseRun) -> dict:
@@ -139,7 +143,7 @@ async def _stream_again(response_id: str):
     s, who = state(), owner()
     record = await asyncio.to_thread(s.tasks.log.of_response, who, response_id)
     if record is None or record.framing != "v1":
-        await stored_response(response_id)  # 404 unless stored
+        await stored_response(state(), owner(), response_id)  # 404 unless stored
         raise Problem("invalid_request", "only a response created with background: true on /v1 can be streamed "
                       "again; GET it without stream", param="stream")
     try:
@@ -169,7 +173,7 @@ async def _framed(events: AsyncIterator[SseEvent]) -> AsyncIterator[V1Event | st
 @requires("responses:write")
 async def delete_response(response_id: str):
     """Delete a stored response."""
-    if (await stored_response(response_id)).completed_at is None:  # 404 unless stored
+    if (await stored_response(state(), owner(), response_id)).completed_at is None:  # 404 unless stored
         raise Problem("invalid_request", f"response {response_id!r} is still in progress; cancel its task first")
     if not await asyncio.to_thread(state().responses.delete, owner(), response_id):
         raise Problem("response_not_found", f"no stored response {response_id!r}")
@@ -181,7 +185,7 @@ async def delete_response(response_id: str):
 @requires("responses:read")
 async def list_input_items(response_id: str):
     """The input items of a stored response (its own, not those of the chain before it)."""
-    stored = await stored_response(response_id)
+    stored = await stored_response(state(), owner(), response_id)
     items = [v1_input_item(item, f"{response_id}_{i}") for i, item in enumerate(stored.request.get("input", []))]
     order = request.args.get("order", "desc")
     if order not in ("asc", "desc"):
@@ -223,8 +227,8 @@ async def responses_socket():
             if fields.get("store") is None:
                 req = req.model_copy(update={"store": True})  # as on HTTP
             run = await start_run("v1", req, local)
-        except Problem as problem:
-            await websocket.send(_error_message(problem))
+        except (Problem, QueueFull) as refused:
+            await websocket.send(_error_message(queue_full(refused) if isinstance(refused, QueueFull) else refused))
             continue
         try:
             async for e in stream_v1(run):
@@ -258,7 +262,7 @@ async def stream_v1(run: ResponseRun):
             if queued:
                 queued = False
                 yield event("response.in_progress", response=snapshot())
-            for name, fields in v1_item_events(e):
+            for name, fields in events_for(e, "v1"):
                 yield event(name, **fields)
         if run.status == "cancelled" and run.req.background:  # POST .../cancel, or a shutdown
             # Open Responses has no cancelled event: its final failure event, with the status that says why
@@ -276,43 +280,3 @@ async def stream_v1(run: ResponseRun):
         yield OpenResponsesEvents.DONE
     finally:
         run.cancel()
-
-
-def v1_item_events(e: ItemEvent) -> list[tuple[str, dict]]:
-    where = {"item_id": e.item.id, "output_index": e.index}
-    if e.kind == "added":
-        out = [("response.output_item.added", {"output_index": e.index, "item": v1_item(e.item, "in_progress")})]
-        if isinstance(e.item, MessageOutput):
-            out.append(("response.content_part.added", {**where, "content_index": 0, "part": _text_part("")}))
-        elif isinstance(e.item, ReasoningOutput):
-            out.append(("response.reasoning_summary_part.added",
-                        {**where, "summary_index": 0, "part": {"type": "summary_text", "text": ""}}))
-        return out
-    if e.kind == "text":
-        return [("response.output_text.delta", {**where, "content_index": 0, "delta": e.delta, "logprobs": []})]
-    if e.kind == "reasoning":
-        return [("response.reasoning_summary_text.delta", {**where, "summary_index": 0, "delta": e.delta})]
-    if e.kind == "arguments" and isinstance(e.item, CustomToolCallOutput):
-        return [("response.custom_tool_call_input.delta", {**where, "delta": e.delta})]
-    if e.kind == "arguments":
-        return [("response.function_call_arguments.delta", {**where, "delta": e.delta})]
-    out = []
-    if isinstance(e.item, MessageOutput):
-        text = e.item.content[0].text if e.item.content else ""
-        out += [("response.output_text.done", {**where, "content_index": 0, "text": text, "logprobs": []}),
-                ("response.content_part.done", {**where, "content_index": 0, "part": _text_part(text)})]
-    elif isinstance(e.item, ReasoningOutput):
-        text = e.item.summary[0].text if e.item.summary else ""
-        out += [("response.reasoning_summary_text.done", {**where, "summary_index": 0, "text": text}),
-                ("response.reasoning_summary_part.done",
-                 {**where, "summary_index": 0, "part": {"type": "summary_text", "text": text}})]
-    elif isinstance(e.item, CustomToolCallOutput):
-        out.append(("response.custom_tool_call_input.done", {**where, "input": e.item.input}))
-    else:
-        out.append(("response.function_call_arguments.done", {**where, "arguments": e.item.arguments}))
-    out.append(("response.output_item.done", {"output_index": e.index, "item": v1_item(e.item, e.status)}))
-    return out
-
-
-def _text_part(text: str) -> dict:
-    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}

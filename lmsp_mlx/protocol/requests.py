@@ -118,7 +118,7 @@ class CustomToolCallOutputItem(_Strict):
 
 class CompactionItem(_Strict):
     """The output of POST .../responses/compact standing for the conversation before it
-    (server/compaction.py); its content is sealed by the server."""
+    (lmsp_mlx/service/compaction.py); its content is sealed by the server."""
 
     type: Literal["compaction"]
     encrypted_content: str
@@ -300,7 +300,7 @@ class ResponsesRequest(_Strict):
     conversation: Any = None  # OpenAI's Conversations API, not served: refused (run.check_capabilities)
     prompt: Any = None  # OpenAI's stored prompts: refused too
     top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None  # above 0: refused (no logprobs here)
-    background: bool | None = None  # /v1: run as a task the client polls (server/openai.py)
+    background: bool | None = None  # /v1: run as a task the client polls (lmsp_mlx/http/responses.py)
 
     def items(self) -> list[InputItem]:
         if isinstance(self.input, str):

@@ -54,7 +54,7 @@ class ReasoningOutput(BaseModel):
     id: str
     type: Literal["reasoning"] = "reasoning"
     summary: list[SummaryText]
-    # /v1 with include ["reasoning.encrypted_content"]: the sealed raw reasoning (server/sealing.py).
+    # /v1 with include ["reasoning.encrypted_content"]: the sealed raw reasoning (lmsp_mlx/service/sealing.py).
     encrypted_content: str | None = Field(default=None, exclude=True)
 
 

@@ -13,7 +13,7 @@
 - A tool output for a call neither the request nor the server knows: 400 `unknown_call_id`.
 - A reasoning model's replayed tool-call turn without its reasoning item, which the server
   has no state for either: 400 `reasoning_state_missing`.
-- A reasoning item's `encrypted_content` (sealed by this server, server/sealing.py) is
+- A reasoning item's `encrypted_content` (sealed by this server, lmsp_mlx/service/sealing.py) is
   opened, and its raw reasoning is rendered where the model sampled it; one that does not
   open (altered, another key, another model) is 400 naming the item.
 """
@@ -44,7 +44,8 @@ from ..protocol.requests import (
     validation_problem,
 )
 
-from .auth import LOCAL_OWNER
+from ..protocol.auth import LOCAL_OWNER
+from ..protocol.routes import Route
 from .sealing import Sealer, SealError
 
 _ITEMS = TypeAdapter(list[InputItem])
@@ -95,7 +96,7 @@ def _plain_choice(choice: str | dict, tools: list[FunctionTool]) -> str | Functi
                   param="tool_choice.name")
 
 
-def reply_spec(req: ResponsesRequest, route: str, choice: str | FunctionTool,
+def reply_spec(req: ResponsesRequest, route: Route, choice: str | FunctionTool,
                tools: list[FunctionTool], offered: list[FunctionTool]) -> ReplySpec | None:
     """The constraint on the reply: a forced call, JSON for a schema, strict calls, or none.
 
@@ -143,7 +144,7 @@ def _tool(t: FunctionTool, index: int, enforce: bool, forced: bool = False) -> T
     return Tool(t.name, parameters)
 
 
-def response_schema(req: ResponsesRequest, route: str) -> tuple[dict | bool | None, str]:
+def response_schema(req: ResponsesRequest, route: Route) -> tuple[dict | bool | None, str]:
     """The JSON Schema the reply must follow, if any, and where the request gave it:
     LMSP's `response_format` (`{"type": "json_schema", "json_schema": {"name", "schema"}}`)
     or /v1's `text.format` (`{"type": "json_schema", "name", "schema", "strict"}`).
@@ -169,10 +170,10 @@ def response_schema(req: ResponsesRequest, route: str) -> tuple[dict | bool | No
     return schema, f"{where}.{inner}"
 
 
-def prepare(req: ResponsesRequest, route: str, tokenizer, calls: CallMemory, reasoning: bool, head: str = "",
+def prepare(req: ResponsesRequest, route: Route, tokenizer, calls: CallMemory, reasoning: bool, head: str = "",
             offset: int = 0, owner: str = LOCAL_OWNER) -> tuple[Conversation, ReplySpec | None]:
     """The conversation to render, and the constraint on its reply (or None). `head`: the
-    compacted conversation's text the items continue (server/compaction.py). `offset`: the
+    compacted conversation's text the items continue (lmsp_mlx/service/compaction.py). `offset`: the
     items of the stored conversation (previous_response_id) before the request's own.
     `owner`: the token that sent it; another token's calls are unknown to it (a call id
     must not open another token's conversation and hidden state)."""
@@ -203,11 +204,11 @@ def prepare(req: ResponsesRequest, route: str, tokenizer, calls: CallMemory, rea
         _check_reasoning(req.items(), calls, offset, owner)
     # Under `none` the tools stay in the prompt where a grammar can keep the reply free of
     # calls (the `<tool_call>` syntax): the prompt, and so the KV, is the one `auto` has.
-    keep = choice != "none" or OutputFormat.of(tokenizer).call == DEFAULT_CALL
+    offer_tools = choice != "none" or OutputFormat.of(tokenizer).call == DEFAULT_CALL
     # What the output parser reads as calls: only tools the reply may call (a call of any
     # other stays text, where no grammar stopped the model from writing it).
     callable_ = () if choice == "none" else None if len(tools) == len(offered) else tuple(t.name for t in tools)
-    conv = Conversation(items, req.instructions, offered if keep else [], native_tools(tokenizer), live, head,
+    conv = Conversation(items, req.instructions, offered if offer_tools else [], native_tools(tokenizer), live, head,
                         callable=callable_, owner=owner)
     return conv, reply_spec(req, route, choice, tools, offered)
 

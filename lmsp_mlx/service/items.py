@@ -7,11 +7,11 @@ newline between two calls) is not worth a message of its own and is dropped.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Literal
 
 from ..engine.events import ReasoningDelta, ReasoningEnd, TextDelta, ToolCall
 from ..protocol.ids import new_id
+from ..protocol.item_events import ItemEvent, ItemKind
 from ..protocol.responses import (
     CustomToolCallOutput,
     FunctionCallOutput,
@@ -21,15 +21,6 @@ from ..protocol.responses import (
     ReasoningOutput,
     SummaryText,
 )
-
-
-@dataclass(frozen=True)
-class ItemEvent:
-    kind: str  # added | text | reasoning | arguments | done
-    index: int
-    item: OutputItem
-    delta: str = ""
-    status: str = "completed"  # of a done item: "incomplete" when the token limit cut it
 
 
 class ItemFolder:
@@ -45,9 +36,9 @@ class ItemFolder:
 
     def feed(self, event) -> list[ItemEvent]:
         if isinstance(event, TextDelta):
-            return self._delta(MessageOutput, "text", event.text)
+            return self._delta(MessageOutput, ItemKind.TEXT, event.text)
         if isinstance(event, ReasoningDelta):
-            return self._delta(ReasoningOutput, "reasoning", event.text)
+            return self._delta(ReasoningOutput, ItemKind.REASONING, event.text)
         if isinstance(event, ReasoningEnd):
             if self.seal is None or self._open is None or not isinstance(self.items[self._open], ReasoningOutput):
                 return []
@@ -64,11 +55,11 @@ class ItemFolder:
             self.items.append(item)
             i = len(self.items) - 1
             start = item.model_copy(update={"input" if event.custom else "arguments": ""})
-            return out + [ItemEvent("added", i, start), ItemEvent("arguments", i, start, event.arguments),
-                          ItemEvent("done", i, item)]
+            return out + [ItemEvent(ItemKind.ADDED, i, start), ItemEvent(ItemKind.ARGUMENTS, i, start, event.arguments),
+                          ItemEvent(ItemKind.DONE, i, item)]
         return []
 
-    def _delta(self, kind: type, name: str, text: str) -> list[ItemEvent]:
+    def _delta(self, kind: type, name: ItemKind, text: str) -> list[ItemEvent]:
         out: list[ItemEvent] = []
         if self._open is None or not isinstance(self.items[self._open], kind):
             if not text.strip():  # nothing to show yet
@@ -79,13 +70,13 @@ class ItemFolder:
                     else ReasoningOutput(id=new_id("rs"), summary=[]))
             self.items.append(item)
             self._open = len(self.items) - 1
-            out.append(ItemEvent("added", self._open, item))
+            out.append(ItemEvent(ItemKind.ADDED, self._open, item))
             text, self._held = self._held + text, ""
         self._parts.append(text)
         out.append(ItemEvent(name, self._open, self.items[self._open], text))
         return out
 
-    def close(self, ensure_message: bool = False, status: str = "completed") -> list[ItemEvent]:
+    def close(self, ensure_message: bool = False, status: Literal["completed", "incomplete"] = "completed") -> list[ItemEvent]:
         """End the open item; at the turn's end (`ensure_message`) a reply with no item at
         all still gets an (empty) message. `status`: how the turn ended for the item it
         cuts ("incomplete" at the token limit)."""
@@ -95,12 +86,12 @@ class ItemFolder:
             i = self._open
             item = self.items[i] = _with_text(self.items[i], "".join(self._parts))
             self._open, self._parts = None, []
-            out.append(ItemEvent("done", i, item, status=status))
+            out.append(ItemEvent(ItemKind.DONE, i, item, status=status))
         if ensure_message and not self.items:
             item = MessageOutput(id=new_id("msg"), content=[OutputTextPart(text="")])
             self.items.append(item)
-            out += [ItemEvent("added", 0, item.model_copy(update={"content": []})),
-                    ItemEvent("done", 0, item, status=status)]
+            out += [ItemEvent(ItemKind.ADDED, 0, item.model_copy(update={"content": []})),
+                    ItemEvent(ItemKind.DONE, 0, item, status=status)]
         return out
 
     def snapshot(self) -> list[OutputItem]:

@@ -12,9 +12,6 @@ import logging
 import time
 from typing import Any, AsyncIterator, Callable
 
-from pydantic import TypeAdapter
-from quart import g
-
 from ..engine.events import Failed, Finished
 from ..engine.generate import GenerationParams, Penalties
 from ..engine.constrain import Constraint, GrammarError
@@ -24,11 +21,11 @@ from ..engine.worker import Engine
 from ..protocol.ids import new_id
 from ..protocol.problems import Problem
 from ..protocol.requests import (FunctionCallItem, FunctionCallOutputItem, InputItem, MessageItem, ReasoningItem,
-                                 ResponsesRequest, parse_request)
-from ..store.responses import Stored
-from ..protocol.responses import (IncompleteDetails, InputTokensDetails, MessageOutput, OutputTokensDetails,
-                                  ResponseObject, ResponseUsage)
-from .auth import LOCAL_OWNER, owner
+                                 ResponsesRequest)
+from ..protocol.responses import (IncompleteDetails, InputTokensDetails, OutputTokensDetails,
+                                  ResponseObject, ResponseUsage, Status)
+from ..protocol.auth import LOCAL_OWNER
+from ..protocol.routes import Route
 from . import compaction
 from .conversation import open_reasoning, prepare
 from .items import ItemEvent, ItemFolder
@@ -69,15 +66,15 @@ def check_capabilities(req: ResponsesRequest, capabilities: tuple[str, ...]) -> 
 
 class ResponseRun:
     """`req` is the request as sent; `history` the stored conversation its
-    `previous_response_id` names, rendered before its input. `keep`, when the response is
+    `previous_response_id` names, rendered before its input. `on_end`, when the response is
     to be stored, is called once it has ended. `sealer` opens sealed reasoning and compaction
     items in the input and, on /v1 with `include: ["reasoning.encrypted_content"]`, seals
     the reasoning out. `compact`: the run writes the summary of a compaction, and keeps
     the conversation's text in `compacted` (its KV is checkpointed under it)."""
 
-    def __init__(self, engine: Engine, req: ResponsesRequest, route: str, prefill_step: int, sealer: Sealer,
+    def __init__(self, engine: Engine, req: ResponsesRequest, route: Route, prefill_step: int, sealer: Sealer,
                  histories: compaction.Histories, history: list[InputItem] | None = None,
-                 keep: Callable[["ResponseRun"], None] | None = None, compact: bool = False,
+                 on_end: Callable[["ResponseRun"], None] | None = None, compact: bool = False,
                  stop: tuple[str, ...] = (), owner: str = LOCAL_OWNER) -> None:
         lm = engine.model
         assert lm is not None
@@ -91,22 +88,22 @@ class ResponseRun:
         self.id = new_id("resp")
         self.created_at = int(time.time())
         self.completed_at: int | None = None
-        self.status = "in_progress"
+        self.status: Status = "in_progress"
         self.sealer = sealer
         sealed = route == "v1" and "reasoning.encrypted_content" in (req.include or [])
         self.folder = ItemFolder(seal=(lambda raw: sealer.seal("reasoning", {"raw": raw})) if sealed else None)
         self.usage: ResponseUsage | None = None
         self.incomplete_reason: str | None = None
-        self.error: dict | None = None
+        self.error: Problem | None = None  # why a failed run failed
         self.job = None
         self.limited_by_context = False
         self.history = history or []
-        self.keep = keep
+        self.on_end = on_end
         self.histories = histories
         self.compact = compact
         self.compacted: str | None = None
-        self.stop = stop  # Chat's stop sequences (server/chat.py trims the text at them)
-        self.owner = owner  # the token that sent it (server/auth.py)
+        self.stop = stop  # Chat's stop sequences (lmsp_mlx/http/chat.py trims the text at them)
+        self.owner = owner  # the token that sent it (lmsp_mlx/http/auth.py)
         self._items: asyncio.Queue[ItemEvent | None] = asyncio.Queue()  # _fold_all -> events()
         self._crash: Exception | None = None
         self._pump: asyncio.Task | None = None  # held: the loop keeps only weak references to tasks
@@ -225,8 +222,8 @@ class ResponseRun:
                 for e in self._fold(event):
                     self._items.put_nowait(e)
             self.completed_at = int(time.time())
-            if self.keep is not None:
-                await asyncio.to_thread(self.keep, self)
+            if self.on_end is not None:
+                await asyncio.to_thread(self.on_end, self)
         except Exception as exc:  # a bug: the reader's to report (a task fails, a request 500s)
             self._crash = exc
         finally:
@@ -251,7 +248,7 @@ class ResponseRun:
             return out
         if isinstance(event, Failed):
             self.status = "failed"
-            self.error = Problem(event.code, event.message).document()
+            self.error = Problem(event.code, event.message)
             return []
         return self.folder.feed(event)
 
@@ -285,7 +282,7 @@ class ResponseRun:
             model=self.req.model,
             output=self.folder.snapshot() if self.status != "in_progress" else [],
             usage=self.usage,
-            error=self.error,
+            error=self.error.document() if self.error is not None else None,
             incomplete_details=IncompleteDetails(reason=self.incomplete_reason) if self.incomplete_reason else None,
         )
 
@@ -297,11 +294,8 @@ class ResponseRun:
         finally:
             self.cancel()
         if self.status == "failed":
-            raise Problem(self.error["code"], self.error["detail"])
+            raise self.error
         return self.response()
-
-
-_ITEMS = TypeAdapter(list[InputItem])
 
 
 def sampling(req: Any, vocab: int | None) -> dict[str, Any]:
@@ -339,8 +333,8 @@ def drop_oldest(items: list[InputItem]) -> list[InputItem] | None:
     or None when only those and the last item are left. A reasoning item goes with the calls
     right after it (a replayed call of a reasoning model needs its reasoning), and a call
     with its outputs."""
-    keep = lambda i: isinstance(i, MessageItem) and i.role in ("system", "developer")  # noqa: E731
-    first = next((k for k, item in enumerate(items[:-1]) if not keep(item)), None)
+    pinned = lambda i: isinstance(i, MessageItem) and i.role in ("system", "developer")  # noqa: E731
+    first = next((k for k, item in enumerate(items[:-1]) if not pinned(item)), None)
     if first is None:
         return None
     last = first
@@ -350,100 +344,3 @@ def drop_oldest(items: list[InputItem]) -> list[InputItem] | None:
     calls = {i.call_id for i in items[first:last + 1] if isinstance(i, FunctionCallItem)}
     return [item for k, item in enumerate(items) if not first <= k <= last
             and not (isinstance(item, FunctionCallOutputItem) and item.call_id in calls)]
-
-
-async def compact(route: str) -> dict:
-    """POST .../responses/compact: summarise the conversation, checkpoint its KV, and
-    return its user messages and a compaction item (server/compaction.py)."""
-    from .state import read_json, state
-
-    body = await read_json()
-    if isinstance(body, dict) and "input" not in body and body.get("previous_response_id"):
-        body = {**body, "input": []}
-    req = parse_request(body)
-    req = req.model_copy(update={
-        "stream": False, "store": False, "temperature": 0.0, "text": None, "response_format": None, "include": None,
-        # The tools stay in the compacted text; the summary is free text, not a forced call.
-        "tool_choice": "none" if req.tool_choice == "none" else "auto",
-        "max_output_tokens": min(req.max_output_tokens or compaction.SUMMARY_TOKENS, compaction.SUMMARY_TOKENS)})
-    run = await start_run(route, req, compact=True)
-    resp = await run.run_to_end()
-    summary = "".join(p.text for item in resp.output if isinstance(item, MessageOutput) for p in item.content)
-    s = state()
-    sealed = compaction.seal(s.sealer, req, run.compacted, summary.strip(), s.histories)
-    return compaction.compacted_object(run.history + req.items(), sealed, resp.usage)
-
-
-async def stored_response(response_id: str) -> Stored:
-    """A response the caller's token stored; 404 `response_not_found` otherwise."""
-    from .state import state
-
-    s, who = state(), owner()
-    # A response is kept when it ends: the running one answers first, so a GET as it ends
-    # finds one or the other.
-    found = None
-    if (running := s.running.get(response_id)) is not None and running[0] == who:
-        run = running[1]
-        found = Stored(run.stored_request(), run.response().model_dump(mode="json"), run.completed_at)
-    if found is None:
-        found = await asyncio.to_thread(s.responses.get, who, response_id)
-    if found is None:
-        raise Problem("response_not_found", f"no stored response {response_id!r}")
-    return found
-
-
-async def start_run(route: str, req: ResponsesRequest, local: dict[str, Stored] | None = None,
-                    compact: bool = False, stop: tuple[str, ...] = ()) -> ResponseRun:
-    """Queue a request's generation, its stored history first: the common start of every
-    route. `local`: a WebSocket connection's own responses, which chain with
-    previous_response_id even when not stored; each finished run is added to it.
-    `compact`: the run summarises the conversation for a compaction (ResponseRun)."""
-    from .state import state
-
-    s, who = state(), owner()
-    run = await new_run(route, req, local, compact, stop)
-    if req.store:  # kept in_progress from the start: a crash leaves it failed, not unknown (recover)
-        await asyncio.to_thread(s.responses.put, who, run.stored_request(), run.response().model_dump(mode="json"),
-                                None)
-        s.running[run.id] = (who, run)  # GET reads it here until keep() stores it as it ended
-    try:
-        await run.start()
-    except BaseException:  # refused (a 400, a full queue): nothing to keep
-        if req.store:
-            s.running.pop(run.id, None)
-            await asyncio.to_thread(s.responses.delete, who, run.id)
-        raise
-    g.generation = True  # the worker logs this request's line
-    return run
-
-
-async def new_run(route: str, req: ResponsesRequest, local: dict[str, Stored] | None = None,
-                  compact: bool = False, stop: tuple[str, ...] = ()) -> ResponseRun:
-    """The run of a request, its stored history loaded, not yet queued (start_run)."""
-    from .state import state
-
-    s, who = state(), owner()
-    history = None
-    if req.previous_response_id is not None:
-        running = s.running.get(req.previous_response_id)
-        if running is not None and running[0] == who:  # stored once it ends: the chain continues from there
-            await running[1].ended()
-        items = await asyncio.to_thread(s.responses.conversation, who, req.previous_response_id, local)
-        if items is None:
-            raise Problem("response_not_found", f"no stored response {req.previous_response_id!r}",
-                          param="previous_response_id")
-        history = _ITEMS.validate_python(items)
-
-    def keep(run: ResponseRun) -> None:
-        done = Stored(run.stored_request(), run.response().model_dump(mode="json"), run.completed_at)
-        if local is not None:
-            local[run.id] = done
-        if req.store:
-            try:
-                s.responses.put(who, done.request, done.response, done.completed_at)
-            finally:
-                s.running.pop(run.id, None)
-
-    run = ResponseRun(s.engine, req, route, s.settings.prefill_step, s.sealer, s.histories, history,
-                      keep if req.store or local is not None else None, compact=compact, stop=stop, owner=who)
-    return run

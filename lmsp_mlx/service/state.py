@@ -1,26 +1,17 @@
-"""What the routes share: the engine (which owns the model), the store, tasks, tokens, settings."""
+"""What the service's functions share, passed to each explicitly: the engine (which owns
+the model), the store, tasks, tokens and settings. One `ServerState` per app."""
 
 from __future__ import annotations
 
-import asyncio
-import json
-import logging
-import re
 from dataclasses import dataclass, field
-from typing import Any
-
-from quart import current_app, request
 
 from ..engine.worker import Engine
-from ..protocol.problems import Problem
-from ..protocol.requests import ResponsesRequest, parse_request
 from ..store import StoredResponses
 from .auth import Tokens
 from .compaction import Histories
+from .run import ResponseRun
 from .sealing import Sealer
 from .tasks import Tasks
-
-log = logging.getLogger("lmsp_mlx.server")
 
 
 @dataclass(frozen=True)
@@ -30,7 +21,15 @@ class ServerSettings:
     store_retention: float = 30 * 86400.0  # seconds a stored response or task is kept
     event_retention: float = 3600.0  # seconds a task's events stay replayable after it ended
     sse_keepalive: float = 15.0  # seconds of silence on an event stream before a comment line keeps it open
-    cors_origins: tuple[str, ...] = ()  # web pages besides loopback ones that may call it (server/origins.py)
+    cors_origins: tuple[str, ...] = ()  # web pages besides loopback ones that may call it (lmsp_mlx/http/origins.py)
+
+
+@dataclass(frozen=True)
+class Running:
+    """A response to be stored that is still running, and the owner it will be stored under."""
+
+    owner: str
+    run: ResponseRun
 
 
 @dataclass
@@ -42,59 +41,7 @@ class ServerState:
     tasks: Tasks
     sealer: Sealer  # state handed to clients opaque: reasoning, compaction
     histories: Histories = field(default_factory=Histories)  # conversations compacted by this process
-    # Responses to be stored that are still running, by id: (owner, run). GET finds them here
-    # until they are kept (server/run.py).
-    running: dict[str, tuple[str, Any]] = field(default_factory=dict)
+    # Responses to be stored that are still running, by id. GET finds them here until they
+    # are kept (service/responses.py).
+    running: dict[str, Running] = field(default_factory=dict)
     http_statuses: dict[int, int] = field(default_factory=dict)  # HTTP replies by status, for /metrics
-
-
-def state() -> ServerState:
-    return current_app.extensions["lmsp_mlx"]
-
-
-async def read_json() -> Any:
-    """The body as JSON; malformed JSON is 400 `invalid_request`."""
-    try:
-        raw = await request.get_data()
-        # A client that closes right after sending its request is cancelled as its last
-        # bytes arrive, and Python 3.11's asyncio.wait_for (inside get_data) may return the
-        # body and drop the cancellation: the generation would run for nobody. It is
-        # still counted on the task.
-        if (task := asyncio.current_task()) is not None and task.cancelling():
-            raise asyncio.CancelledError
-    except asyncio.CancelledError:
-        log.info("request %s %s status=499 (the client closed the connection with its request)",
-                 request.method, request.path)
-        raise
-    return decode_json(raw, "the body")
-
-
-def _not_json(name: str) -> Any:
-    raise ValueError(f"{name} is not a JSON number (RFC 8259)")  # Python's json reads NaN and Infinity
-
-
-_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
-
-
-def decode_json(raw: str | bytes, what: str) -> Any:
-    """`raw` as JSON (a body, a WebSocket message); malformed is 400 `invalid_request`, and
-    so is a string holding half of a UTF-16 surrogate pair (JSON allows the escape, but it
-    is no text: the tokenizer and the store could not take it)."""
-    try:
-        value = json.loads(raw, parse_constant=_not_json)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise Problem("invalid_request", f"{what} is not valid JSON: {exc}") from None
-    except RecursionError:
-        raise Problem("invalid_request", f"{what} nests JSON too deeply") from None
-    if _SURROGATE_ESCAPE.search(raw if isinstance(raw, bytes) else raw.encode("utf-8", "surrogatepass")):
-        try:  # only escapes can make one; paired ones are fine
-            json.dumps(value, ensure_ascii=False).encode("utf-8")
-        except UnicodeEncodeError:
-            raise Problem("invalid_request", f"{what} holds a lone UTF-16 surrogate (a \\ud800-\\udfff escape "
-                          "without its pair), which is not text") from None
-    return value
-
-
-async def read_request() -> ResponsesRequest:
-    """The body as a validated request."""
-    return parse_request(await read_json())

@@ -22,13 +22,14 @@ from dataclasses import dataclass
 from typing import AsyncIterator
 
 from ..protocol.ids import new_id
+from ..protocol.item_events import DELTA_FIELDS
 from ..protocol.problems import Problem
 from ..protocol.requests import ResponsesRequest, parse_request
 from ..protocol.responses import ResponseObject, v1_response
 from ..store import Framing, IdempotencyKeys, StoredEvent, StoredResponses, TaskLog, TaskRecord
 from ..store.keys import body_hash
 from .run import ResponseRun
-from .sse import SseEvent
+from ..protocol.sse import SseEvent
 
 log = logging.getLogger("lmsp_mlx.server")
 
@@ -53,17 +54,22 @@ def output_of(events: list[StoredEvent]) -> list[dict]:
             if "namespace" in item:
                 item["name"] = f"{item.pop('namespace')}.{item['name']}"
             items[i] = item
-        elif e.event == "response.custom_tool_call_input.delta" and i in items:
-            items[i]["input"] = items[i].get("input", "") + e.data["delta"]
-        elif e.event == "response.output_text.delta" and i in items:
-            parts = items[i].setdefault("content", [])
-            parts[:] = [{"type": "output_text", "text": (parts[0]["text"] if parts else "") + e.data["delta"]}]
-        elif e.event == "response.function_call_arguments.delta" and i in items:
-            items[i]["arguments"] = items[i].get("arguments", "") + e.data["delta"]
-        elif e.event == "response.reasoning_summary_text.delta" and i in items:
-            parts = items[i].setdefault("summary", [])
-            parts[:] = [{"type": "summary_text", "text": (parts[0]["text"] if parts else "") + e.data["delta"]}]
+        elif (field := DELTA_FIELDS.get(e.event)) is not None and i in items:
+            if items[i].get("type") == "custom_tool_call":  # LMSP streams its input as arguments (section 6.5)
+                field = "input"
+            _extend(items[i], field, e.data["delta"])
     return [items[i] for i in sorted(items)]
+
+
+_PART = {"content": "output_text", "summary": "summary_text"}  # fields whose text is in one part
+
+
+def _extend(item: dict, field: str, delta: str) -> None:
+    if field in _PART:
+        parts = item.setdefault(field, [])
+        parts[:] = [{"type": _PART[field], "text": (parts[0]["text"] if parts else "") + delta}]
+    else:
+        item[field] = item.get(field, "") + delta
 
 
 def failed_event(framing: Framing, n: int, response: ResponseObject, request: ResponsesRequest) -> SseEvent:
@@ -121,7 +127,7 @@ class LiveTask:
         except Exception:
             log.exception("task %s failed", self.id)
             self.run.status = "failed"
-            self.run.error = Problem("internal_error", "the task failed inside the service").document()
+            self.run.error = Problem("internal_error", "the task failed inside the service")
             final = failed_event(self.framing, len(self.events) + 1, self.run.response(), self.run.req)
             self.events.append(final)  # followers still get exactly one final event
             pending.append(_stored(final))

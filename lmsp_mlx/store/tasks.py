@@ -1,6 +1,6 @@
 """Tasks and their event logs (section 6.4): a client that lost its stream resumes it here.
 
-Events are written in batches by the task's driver (lmsp_mlx/server/tasks.py); the final
+Events are written in batches by the task's driver (lmsp_mlx/service/tasks.py); the final
 batch and the task's end are one transaction, so a reader never sees an ended task with
 events missing. The sweep drops event logs `event_retention` seconds after their task
 ended and marks the task, which then answers 410 `event_history_expired`.
