@@ -12,7 +12,7 @@ from conftest import DEFAULT_MODEL_ID
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 from test_tools import caller_dir, sources  # noqa: F401
 
-from lmsp_mlx.http.chat import StopScanner
+from lmsp_mlx.service.stops import StopScanner
 
 COUNT = [{"role": "user", "content": "Count from 1 to 10, one number per line."}]
 

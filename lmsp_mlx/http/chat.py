@@ -15,11 +15,12 @@ from quart import Blueprint
 
 from ..protocol.chat import (ChatRequest, chat_param, chat_usage, chunk, completion, completion_id, parse_chat,
                              to_responses)
-from ..protocol.problems import Problem
-from .auth import requires
-from ..protocol.sse import OpenResponsesEvents, data_frame
 from ..protocol.item_events import ChatDelta, chat_delta
+from ..protocol.problems import Problem
+from ..protocol.sse import OpenResponsesEvents, data_frame
 from ..service.run import ResponseRun
+from ..service.stops import StopScanner
+from .auth import requires
 from .body import read_json
 from .context import start_run
 from .sse import sse_response
@@ -42,30 +43,6 @@ async def create_chat_completion():
     if not chat.stream:
         return await reply.complete()
     return sse_response(reply.chunks())
-
-
-class StopScanner:
-    """Cuts text at the first of `stops`, holding back a tail that may begin one."""
-
-    def __init__(self, stops: list[str]) -> None:
-        self.stops = stops
-        self.held = ""
-
-    def feed(self, text: str) -> tuple[str, bool]:
-        """The text that is safe to show, and whether a stop sequence was reached."""
-        text, self.held = self.held + text, ""
-        hits = [i for i in (text.find(s) for s in self.stops) if i >= 0]
-        if hits:
-            return text[: min(hits)], True
-        partial = max((k for s in self.stops for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
-        if partial:  # the text may end in the start of a stop sequence: held until the next piece
-            text, self.held = text[:-partial], text[-partial:]
-        return text, False
-
-    def flush(self) -> str:
-        """At the end of a message, what was held back is text after all."""
-        text, self.held = self.held, ""
-        return text
 
 
 class ChatReply:

@@ -7,8 +7,8 @@ from __future__ import annotations
 from quart import current_app, g
 
 from ..protocol.requests import ResponsesRequest
-from ..service import responses
 from ..protocol.routes import Route
+from ..service import responses
 from ..service.run import ResponseRun
 from ..service.state import ServerState
 from ..store.responses import Stored

@@ -8,14 +8,14 @@ from typing import AsyncIterator
 from quart import Blueprint, request
 
 from .. import LMSP_VERSION, __version__
+from ..protocol.item_events import events_for
 from ..protocol.problems import Problem
 from ..protocol.requests import parse_request
-from ..store import TaskRecord
 from ..protocol.sse import LmspEvents, SseEvent
 from ..service.responses import stored_response
-from ..protocol.item_events import events_for
 from ..service.run import ResponseRun
 from ..service.tasks import LiveTask
+from ..store import TaskRecord
 from .auth import requires
 from .body import read_json
 from .context import compact_conversation, owner, start_run, state

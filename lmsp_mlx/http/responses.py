@@ -13,14 +13,14 @@ from typing import AsyncIterator
 from quart import Blueprint, request, websocket
 
 from ..engine.worker import QueueFull
+from ..protocol.item_events import events_for
 from ..protocol.problems import Problem
 from ..protocol.requests import json_object, parse_request
-from ..store.responses import Stored
 from ..protocol.responses import ResponseObject, v1_input_item, v1_response
 from ..protocol.sse import OpenResponsesEvents, SseEvent, V1Event
-from ..protocol.item_events import events_for
 from ..service.responses import new_run, stored_response
 from ..service.run import ResponseRun
+from ..store.responses import Stored
 from .auth import requires
 from .body import decode_json, read_json
 from .context import compact_conversation, owner, start_run, state

@@ -17,7 +17,8 @@ from ..engine.generate import GenerationParams, Penalties
 from ..engine.constrain import Constraint, GrammarError
 from ..engine.grammar import ReplySpec, full_grammar
 from ..engine.output import OutputFormat
-from ..engine.worker import Engine
+from ..engine.loader import LoadedModel
+from ..engine.worker import Engine, Job
 from ..protocol.ids import new_id
 from ..protocol.problems import Problem
 from ..protocol.requests import (FunctionCallItem, FunctionCallOutputItem, InputItem, MessageItem, ReasoningItem,
@@ -28,10 +29,34 @@ from ..protocol.auth import LOCAL_OWNER
 from ..protocol.routes import Route
 from . import compaction
 from .conversation import open_reasoning, prepare
-from .items import ItemEvent, ItemFolder
+from ..protocol.item_events import ItemEvent
+from .items import ItemFolder
 from .sealing import Sealer
 
 log = logging.getLogger("lmsp_mlx.server")
+
+
+def check_model(lm: LoadedModel, model: str) -> None:
+    """404 `model_not_found` for a model this server does not serve."""
+    if model != lm.id:
+        raise Problem("model_not_found", f"model {model!r} is not served here; try {lm.id!r}", param="model")
+
+
+def check_room(prompt_tokens: int, ctx: int, param: str) -> int:
+    """The output tokens the context leaves after the prompt; 400 `context_length_exceeded`
+    where it leaves none."""
+    if prompt_tokens >= ctx:
+        raise Problem("context_length_exceeded", f"the prompt has {prompt_tokens} tokens but the model's context is "
+                      f"{ctx} tokens (at least one must remain for the output)", param=param)
+    return ctx - prompt_tokens
+
+
+def stop_job(engine: Engine, job: Job) -> None:
+    """The client left: the worker stops the job at its next prefill chunk or decode step,
+    and a job still queued leaves the queue."""
+    job.cancel()
+    if not job.started:
+        engine.withdraw(job)
 
 
 def check_capabilities(req: ResponsesRequest, capabilities: tuple[str, ...]) -> None:
@@ -78,8 +103,7 @@ class ResponseRun:
                  stop: tuple[str, ...] = (), owner: str = LOCAL_OWNER) -> None:
         lm = engine.model
         assert lm is not None
-        if req.model != lm.id:
-            raise Problem("model_not_found", f"model {req.model!r} is not served here; try {lm.id!r}", param="model")
+        check_model(lm, req.model)
         check_capabilities(req, lm.capabilities)
         self.engine = engine
         self.req = req
@@ -102,7 +126,7 @@ class ResponseRun:
         self.histories = histories
         self.compact = compact
         self.compacted: str | None = None
-        self.stop = stop  # Chat's stop sequences (lmsp_mlx/http/chat.py trims the text at them)
+        self.stop = stop  # Chat's stop sequences (http/chat.py trims the text at them: service/stops.py)
         self.owner = owner  # the token that sent it (lmsp_mlx/http/auth.py)
         self._items: asyncio.Queue[ItemEvent | None] = asyncio.Queue()  # _fold_all -> events()
         self._crash: Exception | None = None
@@ -150,15 +174,7 @@ class ResponseRun:
         lm = self.engine.model
         ctx = lm.context_length
         constraint = await asyncio.to_thread(self._constraint, spec, prompt.text) if spec else None
-        n = len(prompt.tokens)
-        if n >= ctx:
-            raise Problem(
-                "context_length_exceeded",
-                f"the prompt has {n} tokens but the model's context is {ctx} tokens "
-                "(at least one must remain for the output)",
-                param="input",
-            )
-        room = ctx - n
+        room = check_room(len(prompt.tokens), ctx, "input")
         limit = self.req.max_output_tokens or lm.default_max_output_tokens  # --max-output-tokens, where it sets none
         self.limited_by_context = limit is None or limit > room
         params = GenerationParams(
@@ -270,9 +286,7 @@ class ResponseRun:
     def cancel(self) -> None:
         """The client left: stop the worker at its next prefill chunk or decode step."""
         if self.job is not None and self.status == "in_progress":
-            self.job.cancel()
-            if not self.job.started:
-                self.engine.withdraw(self.job)
+            stop_job(self.engine, self.job)
 
     def response(self) -> ResponseObject:
         return ResponseObject(

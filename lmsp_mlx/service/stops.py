@@ -1,0 +1,30 @@
+"""Stop sequences (Chat's and text completions' `stop`): the engine ends the turn on the
+token that completes one, so usage is the same every time; the text is cut here, and text
+that could be the start of one is held back until it is not, so a stream never shows a
+stop sequence's first characters."""
+
+from __future__ import annotations
+
+
+class StopScanner:
+    """Cuts text at the first of `stops`, holding back a tail that may begin one."""
+
+    def __init__(self, stops: list[str]) -> None:
+        self.stops = stops
+        self.held = ""
+
+    def feed(self, text: str) -> tuple[str, bool]:
+        """The text that is safe to show, and whether a stop sequence was reached."""
+        text, self.held = self.held + text, ""
+        hits = [i for i in (text.find(s) for s in self.stops) if i >= 0]
+        if hits:
+            return text[: min(hits)], True
+        partial = max((k for s in self.stops for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
+        if partial:  # the text may end in the start of a stop sequence: held until the next piece
+            text, self.held = text[:-partial], text[-partial:]
+        return text, False
+
+    def flush(self) -> str:
+        """At the end of a message, what was held back is text after all."""
+        text, self.held = self.held, ""
+        return text
