@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -132,6 +133,21 @@ def ask(text: str = ENDLESS, **fields) -> dict:
     body = {"model": "tiny", "input": text, "temperature": 0, "max_output_tokens": 8}
     body.update(fields)
     return body
+
+
+def kv_lookups(server, headers: dict | None = None) -> dict[str, int]:
+    """Where the server's requests found their KV so far, by cache source (/metrics)."""
+    text = httpx.get(server.url + "/metrics", headers=headers or {}, timeout=30).text
+    return {m.group(1): int(m.group(2)) for m in re.finditer(r'^lmsp_kv_lookups_total\{source="(\w+)"\} (\d+)$',
+                                                             text, re.M)}
+
+
+def lookups_during(server, call) -> dict[str, int]:
+    """The cache sources of the requests `call()` made (none other may run meanwhile)."""
+    before = kv_lookups(server)
+    call()
+    after = kv_lookups(server)
+    return {k: v - before.get(k, 0) for k, v in after.items() if v != before.get(k, 0)}
 
 
 def read_sse(lines) -> list[dict]:

@@ -8,7 +8,7 @@ import time
 
 import httpx
 import pytest
-from conftest import ask
+from conftest import ask, lookups_during
 from tiny_model import ENDLESS, FINISHES
 
 
@@ -246,3 +246,6 @@ def test_metrics_show_the_resident_kv_and_mlx_memory(tiny_server):
     assert int(gauges["lmsp_kv_sessions"]) >= 1
     assert 0 < int(gauges["lmsp_kv_resident_bytes"]) <= int(gauges["lmsp_mlx_active_bytes"])
     assert int(gauges["lmsp_mlx_cache_bytes"]) >= 0
+    one = lookups_during(tiny_server, lambda: httpx.post(tiny_server.url + "/lmsp/v1/responses",
+                                                        json=ask(FINISHES, max_output_tokens=2), timeout=60))
+    assert sum(one.values()) == 1 and set(one) <= {"visible", "token", "text", "disk", "cold"}  # one lookup, by source

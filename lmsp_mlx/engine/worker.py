@@ -27,12 +27,11 @@ from pathlib import Path
 import mlx.core as mx
 
 from ..cache.calls import CallMemory
+from ..cache.disk import CheckpointStore
+from ..cache.pool import CacheSource, Policy, SessionPool, Start
 from ..protocol.auth import LOCAL_OWNER
 from ..protocol.routes import Route
-from ..cache.disk import CheckpointStore
-from ..cache.pool import Policy, SessionPool
 from .events import Failed, Finished, GenerationEvent, TextDelta, Usage
-from ..cache.pool import Start
 from .batch import Batch, chunk_size, next_prefill
 from .generate import GenerationParams
 from .loader import LoadedModel, ModelLoadError, load_model
@@ -126,6 +125,8 @@ class Counters:
     output_tokens: int = 0
     kv_sessions: int = 0  # resident in the session pool (running ones included), after the last sequence ended
     kv_bytes: int = 0  # their KV arrays and snapshots
+    lookups: dict[CacheSource, int] = field(default_factory=dict)  # where each request's KV came from
+    live_continuations: int = 0  # requests of tool outputs alone that continued a live turn by call id
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
@@ -362,6 +363,10 @@ class Engine:
         label = f"tool-output ids={len(job.conv.live_calls)}" if job.conv and job.conv.live_calls else None
         start = pool.start(job.text, job.params.prompt, limit=lm.context_length - 1, label=label, visible=job.visible,
                            owner=job.conv.owner if job.conv else LOCAL_OWNER)
+        with self.counters.lock:
+            c = self.counters
+            c.lookups[start.source] = c.lookups.get(start.source, 0) + 1
+            c.live_continuations += bool(label and start.source in ("visible", "disk"))
         if label and start.source not in ("visible", "disk"):
             # Its live state was replaced while it waited: a tool result alone cannot be
             # prefilled cold (the model would never see its own call).

@@ -17,7 +17,7 @@ from ..protocol.responses import MessageOutput
 from ..store.responses import Stored
 from . import compaction
 from .run import ResponseRun
-from .state import Running, ServerState
+from .state import RunningResponse, ServerState
 
 _ITEMS = TypeAdapter(list[InputItem])
 
@@ -66,7 +66,7 @@ async def start_run(s: ServerState, who: str, route: Route, req: ResponsesReques
     if req.store:  # kept in_progress from the start: a crash leaves it failed, not unknown (recover)
         await asyncio.to_thread(s.responses.put, who, run.stored_request(), run.response().model_dump(mode="json"),
                                 None)
-        s.running[run.id] = Running(who, run)  # GET reads it here until store() keeps it as it ended
+        s.running[run.id] = RunningResponse(who, run)  # GET reads it here until store() keeps it as it ended
     try:
         await run.start()
     except BaseException:  # refused (a 400, a full queue): nothing to keep

@@ -25,7 +25,7 @@ class ServerSettings:
 
 
 @dataclass(frozen=True)
-class Running:
+class RunningResponse:
     """A response to be stored that is still running, and the owner it will be stored under."""
 
     owner: str
@@ -43,5 +43,5 @@ class ServerState:
     histories: Histories = field(default_factory=Histories)  # conversations compacted by this process
     # Responses to be stored that are still running, by id. GET finds them here until they
     # are kept (service/responses.py).
-    running: dict[str, Running] = field(default_factory=dict)
+    running: dict[str, RunningResponse] = field(default_factory=dict)
     http_statuses: dict[int, int] = field(default_factory=dict)  # HTTP replies by status, for /metrics
