@@ -1,7 +1,7 @@
 """A response's item-level events, and the one table that maps each to every wire API's
 stream: LMSP's events (section 6.3, 6.5 for calls), Open Responses' events (/v1) and the
 deltas of Chat's chunks. A task's stored events are read back into items through the same
-names (`DELTA_FIELDS`).
+names (`DELTA_EVENTS`, `TEXT_FIELD`).
 
 An item event is one of five kinds (`ItemKind`) on one of four item types; `TABLE` has a
 `Row` per pair that occurs. The response service (service/items.py) makes the events; the
@@ -48,12 +48,14 @@ Wire = Literal["lmsp", "v1"]
 Events = list[tuple[str, dict[str, Any]]]  # (event name, its fields), in order
 Build = Callable[[ItemEvent], Events]
 
-# The delta events, and the item field each one's text extends (tasks read them back).
+# The delta events. Read back (tasks), a delta extends its item's one text field, whatever
+# the event's name (LMSP streams a custom call's input as function-call arguments).
 TEXT_DELTA = "response.output_text.delta"
 SUMMARY_DELTA = "response.reasoning_summary_text.delta"
 ARGUMENTS_DELTA = "response.function_call_arguments.delta"
 INPUT_DELTA = "response.custom_tool_call_input.delta"
-DELTA_FIELDS = {TEXT_DELTA: "content", SUMMARY_DELTA: "summary", ARGUMENTS_DELTA: "arguments", INPUT_DELTA: "input"}
+DELTA_EVENTS = frozenset({TEXT_DELTA, SUMMARY_DELTA, ARGUMENTS_DELTA, INPUT_DELTA})
+TEXT_FIELD = {"message": "content", "reasoning": "summary", "function_call": "arguments", "custom_tool_call": "input"}
 
 
 def _where(e: ItemEvent) -> dict[str, Any]:

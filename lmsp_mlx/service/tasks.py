@@ -22,14 +22,14 @@ from dataclasses import dataclass
 from typing import AsyncIterator
 
 from ..protocol.ids import new_id
-from ..protocol.item_events import DELTA_FIELDS
+from ..protocol.item_events import DELTA_EVENTS, TEXT_FIELD
 from ..protocol.problems import Problem
 from ..protocol.requests import ResponsesRequest, parse_request
 from ..protocol.responses import ResponseObject, v1_response
 from ..store import Framing, IdempotencyKeys, StoredEvent, StoredResponses, TaskLog, TaskRecord
 from ..store.keys import body_hash
-from .run import ResponseRun
 from ..protocol.sse import SseEvent
+from .run import ResponseRun
 
 log = logging.getLogger("lmsp_mlx.server")
 
@@ -54,10 +54,8 @@ def output_of(events: list[StoredEvent]) -> list[dict]:
             if "namespace" in item:
                 item["name"] = f"{item.pop('namespace')}.{item['name']}"
             items[i] = item
-        elif (field := DELTA_FIELDS.get(e.event)) is not None and i in items:
-            if items[i].get("type") == "custom_tool_call":  # LMSP streams its input as arguments (section 6.5)
-                field = "input"
-            _extend(items[i], field, e.data["delta"])
+        elif e.event in DELTA_EVENTS and i in items:
+            _extend(items[i], TEXT_FIELD[items[i]["type"]], e.data["delta"])
     return [items[i] for i in sorted(items)]
 
 
