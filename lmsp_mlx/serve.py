@@ -1,4 +1,8 @@
-"""`python -m lmsp_mlx.serve`: flags -> model -> engine -> Quart app -> Hypercorn."""
+"""`python -m lmsp_mlx.serve`: flags -> model -> engine -> Quart app -> Hypercorn.
+
+`build` turns parsed flags into a `Service` (or a `StartError`, one line); `serve` runs
+Hypercorn on it until an event is set. `main` joins them with the signal handling a
+process needs; the tests run `build` and `serve` on a thread of their own process."""
 
 from __future__ import annotations
 
@@ -11,7 +15,9 @@ import os
 import signal
 import socket
 import sys
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from platformdirs import user_data_dir
 
@@ -21,17 +27,15 @@ from .cpu_blas import accelerate
 # the shim is loaded before anything imports mlx.core (cpu_blas/__init__.py).
 accelerate()
 
-from .cache.pool import Policy  # noqa: E402
-from .engine.loader import ModelLoadError, backend_name  # noqa: E402
-from .engine.model_store import DEFAULT_MODEL, ModelStoreError, default_models_dir, ensure_packaged_model  # noqa: E402
-from .engine.worker import CacheSettings, Engine  # noqa: E402
-from .http.origins import normalized  # noqa: E402
-from .service.auth import Tokens, TokensError  # noqa: E402
-from .service.sealing import StateKeyError, load_state_key  # noqa: E402
-from .service.state import ServerSettings  # noqa: E402
-from .store import Database, StoreError  # noqa: E402
+# The rest of the package (MLX, mlx-lm, transformers, Quart: some 3 s) is imported by
+# `build`, once the flags were read: --help and a wrong flag answer at once.
+if TYPE_CHECKING:
+    from .engine.loader import LoadedModel
+    from .engine.worker import CacheSettings, Engine
+    from .store import Database
 
 log = logging.getLogger("lmsp_mlx")
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -122,6 +126,8 @@ def _origin(text: str) -> str:
     if text.strip().lower() == "null":
         raise argparse.ArgumentTypeError("null is the origin any page can send from a sandboxed frame: serve the "
                                          "page from http://localhost, or give the server tokens (--api-key)")
+    from .http.origins import normalized
+
     try:
         return normalized(text)  # as browsers send it, so it matches
     except ValueError as exc:
@@ -154,32 +160,100 @@ def _bindable(host: str, port: int) -> str | None:
     return None
 
 
-def _fail(message: str) -> int:
-    print(f"lmsp-mlx: error: {message}", file=sys.stderr)
-    return 2
+class StartError(Exception):
+    """Why the server cannot start, as the one line `main` prints (exit status 2)."""
 
 
-async def _serve(app, engine: Engine, host: str, port: int) -> None:
-    from hypercorn.asyncio import serve
+@dataclass
+class Service:
+    """What `build` made from the flags: the app and the two things it owns that need closing."""
+
+    app: object  # the ASGI app of http.app.create_app
+    engine: Engine
+    db: Database
+    host: str
+    port: int
+
+    def close(self) -> None:
+        self.engine.stop()  # checkpoints resident KV sessions
+        self.db.close()
+
+
+def build(args: argparse.Namespace) -> Service:
+    """Flags -> tokens, store, state key, model, engine, app; raises StartError before serving."""
+    from .service.auth import Tokens, TokensError
+    from .service.sealing import StateKeyError, load_state_key
+    from .service.state import ServerSettings
+    from .store import Database, StoreError
+
+    try:
+        tokens = Tokens.load(args.api_key, args.tokens)
+    except TokensError as exc:
+        raise StartError(str(exc)) from None
+    if not tokens.required and not _is_loopback(args.host):
+        raise StartError(f"refusing to bind {args.host} without --api-key or --tokens: only loopback is open")
+    if why := _bindable(args.host, args.port):
+        raise StartError(f"cannot bind {_address(args.host, args.port)}: {why}")
+    try:
+        db = Database(args.store or Path(user_data_dir("lmsp-mlx")) / "store.sqlite3")
+        state_key = load_state_key(args.state_key_file or Path(user_data_dir("lmsp-mlx")) / "state.key")
+    except (StoreError, StateKeyError) as exc:
+        raise StartError(str(exc)) from None
+    try:
+        engine, lm = _start_engine(args)
+    except StartError:
+        db.close()
+        raise
+    log.info("model %s ready: context %d, %s on %s", lm.id, lm.context_length, lm.quantization, lm.backend)
+    if lm.backend == "cpu":
+        from .cpu_blas import status
+
+        log.info("MLX CPU float32 matmuls: %s", status())
+    prefill = args.prefill_chunk or (256 if lm.backend == "cpu" else 2048)
+    settings = ServerSettings(prefill_step=prefill, max_body_bytes=int(args.max_body_mb * 1024 * 1024),
+                              store_retention=args.store_retention, event_retention=args.event_retention,
+                              sse_keepalive=args.sse_keepalive, cors_origins=tuple(args.cors_origin))
+    log.info("store: %s", db.path)
+    from .http.app import create_app  # after the model: a start error costs no Quart import
+
+    return Service(create_app(engine, settings, tokens, db, state_key), engine, db, args.host, args.port)
+
+
+def _start_engine(args: argparse.Namespace) -> tuple[Engine, LoadedModel]:
+    from .engine.loader import ModelLoadError, backend_name
+    from .engine.model_store import DEFAULT_MODEL, ModelStoreError, default_models_dir, ensure_packaged_model
+    from .engine.worker import Engine
+
+    try:
+        if args.model is None:
+            model_path = ensure_packaged_model(DEFAULT_MODEL, args.models_dir or default_models_dir())
+        else:
+            model_path = args.model.expanduser()
+            store = args.models_dir or default_models_dir()
+            if not model_path.exists() and (store / args.model).exists():  # a name in the model store
+                model_path = store / args.model
+            elif not model_path.exists():
+                raise StartError(f"model {str(args.model)!r} does not exist, neither as a path nor in the model store {store}")
+        engine = Engine(model_path, ctx=args.ctx, max_queue=args.max_queue, model_id=args.model_id,
+                        cache=_cache_settings(args), max_batch=args.max_batch or (8 if backend_name() == "cpu" else 32),
+                        max_output_tokens=args.max_output_tokens)
+        lm = engine.start()
+    except (ModelStoreError, ModelLoadError) as exc:
+        raise StartError(str(exc)) from None
+    return engine, lm
+
+
+async def serve(service: Service, stop: asyncio.Event) -> None:
+    """Hypercorn on the service's address until `stop` is set; then generations in progress end cancelled."""
+    from hypercorn.asyncio import serve as hypercorn_serve
     from hypercorn.config import Config
 
     config = Config()
-    config.bind = [_address(host, port)]
+    config.bind = [_address(service.host, service.port)]
     config.accesslog = None
     config.errorlog = logging.getLogger("hypercorn.error")  # one handler: ours
     config.graceful_timeout = 5
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-
-    def on_signal() -> None:
-        if stop.is_set():  # asked twice: do not wait for the worker's step or its checkpoints
-            log.warning("second signal: exiting now (resident KV sessions are not checkpointed)")
-            logging.shutdown()
-            os._exit(130)
-        stop.set()
-
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, on_signal)
+    engine = service.engine
 
     async def shutdown() -> None:
         await stop.wait()
@@ -194,12 +268,31 @@ async def _serve(app, engine: Engine, host: str, port: int) -> None:
             await asyncio.sleep(0.05)
         engine.abandon_all()
 
-    log.info("serving on http://%s (LMSP at /lmsp/v1, OpenAI-style at /v1)", _address(host, port))
-    await serve(app, config, shutdown_trigger=shutdown)
+    log.info("serving on http://%s (LMSP at /lmsp/v1, OpenAI-style at /v1)", _address(service.host, service.port))
+    await hypercorn_serve(service.app, config, shutdown_trigger=shutdown)
+
+
+async def _serve_until_signalled(service: Service) -> None:
+    stop = asyncio.Event()
+
+    def on_signal() -> None:
+        if stop.is_set():  # asked twice: do not wait for the worker's step or its checkpoints
+            log.warning("second signal: exiting now (resident KV sessions are not checkpointed)")
+            logging.shutdown()
+            os._exit(130)
+        stop.set()
+
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, on_signal)
+    await serve(service, stop)
 
 
 def _cache_settings(args: argparse.Namespace) -> CacheSettings:
     from platformdirs import user_cache_dir
+
+    from .cache.pool import Policy
+    from .engine.worker import CacheSettings
 
     policy = Policy(
         memory_bytes=int(args.kv_memory_mb * 2**20),
@@ -216,59 +309,21 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(
         level=args.log_level.upper(),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        format=LOG_FORMAT,
         stream=sys.stderr,
     )
     try:
-        tokens = Tokens.load(args.api_key, args.tokens)
-    except TokensError as exc:
-        return _fail(str(exc))
-    if not tokens.required and not _is_loopback(args.host):
-        return _fail(f"refusing to bind {args.host} without --api-key or --tokens: only loopback is open")
-    if why := _bindable(args.host, args.port):
-        return _fail(f"cannot bind {_address(args.host, args.port)}: {why}")
+        service = build(args)
+    except StartError as exc:
+        print(f"lmsp-mlx: error: {exc}", file=sys.stderr)
+        return 2
     try:
-        db = Database(args.store or Path(user_data_dir("lmsp-mlx")) / "store.sqlite3")
-        state_key = load_state_key(args.state_key_file or Path(user_data_dir("lmsp-mlx")) / "state.key")
-    except (StoreError, StateKeyError) as exc:
-        return _fail(str(exc))
-    try:
-        if args.model is None:
-            model_path = ensure_packaged_model(DEFAULT_MODEL, args.models_dir or default_models_dir())
-        else:
-            model_path = args.model.expanduser()
-            store = args.models_dir or default_models_dir()
-            if not model_path.exists() and (store / args.model).exists():  # a name in the model store
-                model_path = store / args.model
-            elif not model_path.exists():
-                return _fail(f"model {str(args.model)!r} does not exist, neither as a path nor in the model store {store}")
-        engine = Engine(model_path, ctx=args.ctx, max_queue=args.max_queue, model_id=args.model_id,
-                        cache=_cache_settings(args), max_batch=args.max_batch or (8 if backend_name() == "cpu" else 32),
-                        max_output_tokens=args.max_output_tokens)
-        lm = engine.start()
-    except (ModelStoreError, ModelLoadError) as exc:
-        return _fail(str(exc))
-    log.info("model %s ready: context %d, %s on %s", lm.id, lm.context_length, lm.quantization, lm.backend)
-    if lm.backend == "cpu":
-        from .cpu_blas import status
-
-        log.info("MLX CPU float32 matmuls: %s", status())
-
-    from .http.app import create_app
-
-    prefill = args.prefill_chunk or (256 if lm.backend == "cpu" else 2048)
-    settings = ServerSettings(prefill_step=prefill, max_body_bytes=int(args.max_body_mb * 1024 * 1024),
-                              store_retention=args.store_retention, event_retention=args.event_retention,
-                              sse_keepalive=args.sse_keepalive, cors_origins=tuple(args.cors_origin))
-    log.info("store: %s", db.path)
-    app = create_app(engine, settings, tokens, db, state_key)
-    try:
-        asyncio.run(_serve(app, engine, args.host, args.port))
+        asyncio.run(_serve_until_signalled(service))
     except OSError as exc:  # port in use, address not available
-        return _fail(f"cannot bind {_address(args.host, args.port)}: {exc.strerror or exc}")
+        print(f"lmsp-mlx: error: cannot bind {_address(args.host, args.port)}: {exc.strerror or exc}", file=sys.stderr)
+        return 2
     finally:
-        engine.stop()
-        db.close()
+        service.close()
     return 0
 
 
