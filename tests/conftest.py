@@ -1,13 +1,10 @@
-"""Fixtures: real server processes (Hypercorn on a free loopback port) on real models."""
+"""Fixtures: real servers (Hypercorn on a free loopback port, tests/servers.py) on real models."""
 
 from __future__ import annotations
 
 import os
 import re
-import socket
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
@@ -18,70 +15,11 @@ from lmsp_mlx.cpu_blas import accelerate
 accelerate()  # first: MLX binds its BLAS as mlx.core loads (lmsp_mlx/cpu_blas/__init__.py)
 
 sys.path.insert(0, str(Path(__file__).parent))
+from servers import InProcessServer, ProcessServer  # noqa: E402
 from tiny_model import ENDLESS, build_tiny_model  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_MODEL_ID = "SmolLM2-135M-Instruct"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Server:
-    """`python -m lmsp_mlx.serve ARGS` in a subprocess, its log in a file."""
-
-    def __init__(self, args: list[str], log_path: Path, env: dict | None = None) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log_path = log_path
-        if "--kv-disk-dir" not in args and "--no-kv-disk" not in args:  # never the user's cache dir
-            args = [*args, "--kv-disk-dir", str(log_path.parent / "kv")]
-        if "--store" not in args:  # never the user's data dir
-            args = [*args, "--store", str(log_path.parent / "store.sqlite3")]
-        if "--state-key-file" not in args:
-            args = [*args, "--state-key-file", str(log_path.parent / "state.key")]
-        self.args = args
-        self._log = open(log_path, "w")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "lmsp_mlx.serve", "--port", str(self.port), *args],
-            cwd=ROOT, stdout=self._log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})},
-        )
-
-    def wait_ready(self, timeout: float = 600) -> "Server":
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited {self.proc.returncode}:\n{self.log()}")
-            try:
-                if httpx.get(self.url + "/healthz", timeout=1).status_code == 200:
-                    return self
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        raise RuntimeError(f"server not ready after {timeout}s:\n{self.log()}")
-
-    def log(self) -> str:
-        return self.log_path.read_text()
-
-    def wait_for_log(self, needle: str, timeout: float = 30) -> str:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            text = self.log()
-            if needle in text:
-                return text
-            time.sleep(0.1)
-        raise AssertionError(f"{needle!r} not logged within {timeout}s:\n{self.log()[-3000:]}")
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-        self._log.close()
+EXIT_STATUS = pytest.StashKey[int]()
 
 
 @pytest.fixture(scope="session")
@@ -89,37 +27,85 @@ def tiny_model_dir(tmp_path_factory) -> Path:
     return build_tiny_model(tmp_path_factory.mktemp("models") / "tiny")
 
 
-@pytest.fixture(scope="session")
+def pytest_sessionfinish(session, exitstatus) -> None:
+    session.config.stash[EXIT_STATUS] = int(exitstatus)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_unconfigure(config) -> None:
+    """Leave without C++ static destructors once MLX ran on in-process servers' threads: they
+    can abort at exit ("terminate called without an active exception", ml-explore/mlx#3126),
+    as `python -m lmsp_mlx.serve` avoids too. Every report has been written by now."""
+    if InProcessServer.started and EXIT_STATUS in config.stash:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(config.stash[EXIT_STATUS])
+
+
+class Starter:
+    """Starts real servers and stops them when its fixture's scope ends.
+
+    `start(*args)` serves in this process; `process=True` (or `env=`, which a process needs)
+    runs `python -m lmsp_mlx.serve` instead, for signals, kill -9 and exit statuses."""
+
+    def __init__(self, tmp_path_factory) -> None:
+        self._tmp = tmp_path_factory
+        self.started: list[InProcessServer | ProcessServer] = []
+
+    def __call__(self, *args: str, env: dict | None = None, process: bool = False) -> InProcessServer | ProcessServer:
+        log = self._tmp.mktemp("server") / "server.log"
+        if process or env is not None:
+            server = ProcessServer(list(args), log, env)
+            self.started.append(server)
+            return server.wait_ready()
+        server = InProcessServer(list(args), log)
+        self.started.append(server)
+        return server.start()
+
+    def stop_all(self) -> None:
+        for server in self.started:
+            server.stop()
+
+
+@pytest.fixture
 def start_server(tmp_path_factory):
-    started: list[Server] = []
-
-    def start(*args: str, env: dict | None = None) -> Server:
-        log = tmp_path_factory.mktemp("server") / "server.log"
-        server = Server(list(args), log, env)
-        started.append(server)
-        return server.wait_ready()
-
-    yield start
-    for server in started:
-        server.stop()
+    """Servers for one test, stopped at its end."""
+    starter = Starter(tmp_path_factory)
+    yield starter
+    starter.stop_all()
 
 
-@pytest.fixture(scope="session")
-def tiny_server(start_server, tiny_model_dir) -> Server:
-    return start_server("--model", str(tiny_model_dir), "--model-id", "tiny")
+@pytest.fixture(scope="module")
+def start_module_server(tmp_path_factory):
+    """Servers for a module's fixtures, stopped after its last test."""
+    starter = Starter(tmp_path_factory)
+    yield starter
+    starter.stop_all()
 
 
 @pytest.fixture(scope="session")
-def serial_server(start_server, tiny_model_dir) -> Server:
+def start_session_server(tmp_path_factory):
+    starter = Starter(tmp_path_factory)
+    yield starter
+    starter.stop_all()
+
+
+@pytest.fixture(scope="session")
+def tiny_server(start_session_server, tiny_model_dir) -> InProcessServer:
+    return start_session_server("--model", str(tiny_model_dir), "--model-id", "tiny")
+
+
+@pytest.fixture(scope="session")
+def serial_server(start_session_server, tiny_model_dir) -> InProcessServer:
     """One sequence at a time (`--max-batch 1`): a second request waits behind the first,
     for the tests of what a client sees while its request is queued."""
-    return start_server("--model", str(tiny_model_dir), "--model-id", "tiny", "--max-batch", "1")
+    return start_session_server("--model", str(tiny_model_dir), "--model-id", "tiny", "--max-batch", "1")
 
 
 @pytest.fixture(scope="session")
-def default_server(start_server) -> Server:
+def default_server(start_session_server) -> InProcessServer:
     """The embedded default model, fetched and converted into models/ on first use."""
-    return start_server()
+    return start_session_server()
 
 
 @pytest.fixture
@@ -136,10 +122,13 @@ def ask(text: str = ENDLESS, **fields) -> dict:
 
 
 def kv_lookups(server, headers: dict | None = None) -> dict[str, int]:
-    """Where the server's requests found their KV so far, by cache source (/metrics)."""
+    """Where the server's requests found their KV so far, by cache source (/metrics), with
+    "tool-output" counting the requests whose tool outputs alone continued live calls."""
     text = httpx.get(server.url + "/metrics", headers=headers or {}, timeout=30).text
-    return {m.group(1): int(m.group(2)) for m in re.finditer(r'^lmsp_kv_lookups_total\{source="(\w+)"\} (\d+)$',
-                                                             text, re.M)}
+    counts = {m.group(1): int(m.group(2)) for m in re.finditer(r'^lmsp_kv_lookups_total\{source="(\w+)"\} (\d+)$',
+                                                               text, re.M)}
+    counts["tool-output"] = int(re.search(r"^lmsp_kv_live_continuations_total (\d+)$", text, re.M).group(1))
+    return counts
 
 
 def lookups_during(server, call) -> dict[str, int]:
@@ -148,6 +137,28 @@ def lookups_during(server, call) -> dict[str, int]:
     call()
     after = kv_lookups(server)
     return {k: v - before.get(k, 0) for k, v in after.items() if v != before.get(k, 0)}
+
+
+def source_of(server, call, headers: dict | None = None):
+    """`call()`'s result, with the cache source of the one request it made recorded on
+    `server.sources` (none is where it failed before its lookup): a lookup kind, or
+    "tool-output" where its tool outputs alone continued the live calls. `headers`: what
+    /metrics needs (the admin scope) on a server with tokens."""
+    result = None
+
+    def run():
+        nonlocal result
+        result = call()
+
+    before = kv_lookups(server, headers)
+    run()
+    after = kv_lookups(server, headers)
+    found = {k: v - before.get(k, 0) for k, v in after.items() if v != before.get(k, 0)}
+    if "tool-output" in found:
+        found = {"tool-output": 1} if sum(found.values()) == 2 else found
+    assert sum(found.values()) <= 1, f"one request, several lookups: {found}"
+    server.sources.extend(found)
+    return result
 
 
 def read_sse(lines) -> list[dict]:

@@ -7,12 +7,13 @@ import sys
 
 import httpx
 import pytest
-from conftest import ROOT, ask
+from conftest import ask
+from servers import ROOT
 
 
 @pytest.fixture(scope="module")
-def locked(start_server, tiny_model_dir):
-    return start_server("--model", str(tiny_model_dir), "--model-id", "tiny", env={"LMSP_API_KEY": "s3cret"})
+def locked(start_module_server, tiny_model_dir):
+    return start_module_server("--model", str(tiny_model_dir), "--model-id", "tiny", env={"LMSP_API_KEY": "s3cret"})
 
 
 @pytest.mark.parametrize(
@@ -87,13 +88,13 @@ SCOPES = ["responses:write", "responses:read", "models:read", "admin"]
 
 
 @pytest.fixture(scope="module")
-def scoped(start_server, tiny_model_dir, tmp_path_factory):
+def scoped(start_module_server, tiny_model_dir, tmp_path_factory):
     import json
 
     tokens = tmp_path_factory.mktemp("tokens") / "tokens.json"
     # One token per scope, each holding every scope but that one.
     tokens.write_text(json.dumps({f"without-{s}": [o for o in SCOPES if o != s] for s in SCOPES}))
-    return start_server("--model", str(tiny_model_dir), "--model-id", "tiny", "--tokens", str(tokens))
+    return start_module_server("--model", str(tiny_model_dir), "--model-id", "tiny", "--tokens", str(tokens))
 
 
 @pytest.mark.parametrize("method, path, body, scope", ROUTES, ids=[f"{m} {p}" for m, p, _, _ in ROUTES])

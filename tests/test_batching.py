@@ -273,7 +273,7 @@ def test_a_tool_loop_continues_its_live_state_while_others_decode(start_server, 
 
 
 def test_shutdown_with_a_full_batch_ends_every_stream_cancelled_and_checkpoints(start_server, tiny_model_dir):
-    server = start_server("--model", str(tiny_model_dir), "--model-id", "tiny", "--max-batch", "3")
+    server = start_server("--model", str(tiny_model_dir), "--model-id", "tiny", "--max-batch", "3", process=True)
     results: dict[int, list[dict]] = {}
     ready = [threading.Event() for _ in range(3)]
 

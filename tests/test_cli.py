@@ -6,7 +6,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import ROOT, free_port
+from servers import ROOT, free_port
 
 
 def serve(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:

@@ -11,8 +11,8 @@ from conftest import ask, read_sse
 
 
 @pytest.fixture(scope="module")
-def server(start_server, tiny_model_dir):
-    return start_server("--model", str(tiny_model_dir), "--model-id", "tiny")
+def server(start_module_server, tiny_model_dir):
+    return start_module_server("--model", str(tiny_model_dir), "--model-id", "tiny")
 
 
 def generations(server) -> int:

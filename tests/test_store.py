@@ -16,11 +16,11 @@ OTHER = {"Authorization": "Bearer other-token"}
 
 
 @pytest.fixture(scope="module")
-def stored(start_server, tiny_model_dir, tmp_path_factory):
+def stored(start_module_server, tiny_model_dir, tmp_path_factory):
     tokens = tmp_path_factory.mktemp("tokens") / "tokens.json"
     everything = ["responses:write", "responses:read", "models:read"]
     tokens.write_text(json.dumps({"writer-token": everything, "other-token": everything}))
-    return start_server("--model", str(tiny_model_dir), "--model-id", "tiny", "--tokens", str(tokens))
+    return start_module_server("--model", str(tiny_model_dir), "--model-id", "tiny", "--tokens", str(tokens))
 
 
 def post(server, body, headers=WRITER, route="/lmsp/v1/responses") -> dict:
@@ -115,7 +115,7 @@ def test_a_stored_response_running_when_the_server_stops_is_kept(start_server, t
     # SIGTERM: it ends cancelled, with what it had said; SIGKILL: nothing runs at the end,
     # but it was kept in_progress from the start and is failed at the next start.
     args = ("--model", str(tiny_model_dir), "--model-id", "tiny", "--store", str(tmp_path / "store.sqlite3"))
-    server = start_server(*args)
+    server = start_server(*args, process=True)
     lines = []
     try:
         with httpx.stream("POST", server.url + "/lmsp/v1/responses", timeout=120,

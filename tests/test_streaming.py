@@ -9,11 +9,11 @@ from tiny_model import FINISHES
 
 
 @pytest.fixture(scope="module")
-def fresh_server(start_server, tiny_model_dir):
+def fresh_server(start_module_server, tiny_model_dir):
     # Its own KV: the tiny random model's greedy reply to FINISHES ends early from a
     # cold prefill, but can run on after a session other tests left is reused (a prefix
     # continued from a cache sums in another order, and this model's logits are near ties).
-    return start_server("--model", str(tiny_model_dir), "--model-id", "tiny")
+    return start_module_server("--model", str(tiny_model_dir), "--model-id", "tiny")
 
 
 @pytest.fixture

@@ -15,8 +15,8 @@ FINAL = {"response.completed", "response.incomplete", "response.failed", "respon
 
 
 @pytest.fixture(scope="module")
-def tasks_server(start_server, tiny_model_dir):
-    return start_server("--model", str(tiny_model_dir), "--model-id", "tiny")
+def tasks_server(start_module_server, tiny_model_dir):
+    return start_module_server("--model", str(tiny_model_dir), "--model-id", "tiny")
 
 
 def create(server, body: dict, headers: dict | None = None) -> httpx.Response:
@@ -177,7 +177,7 @@ def stored_events(store: str, task_id: str) -> int:
 def test_a_task_running_when_the_server_is_killed_is_failed_after_restart(start_server, tiny_model_dir, tmp_path):
     store = str(tmp_path / "store.sqlite3")
     args = ("--model", str(tiny_model_dir), "--model-id", "tiny", "--store", store)
-    server = start_server(*args)
+    server = start_server(*args, process=True)
     task = create(server, ask(max_output_tokens=20000, store=True)).json()
     seen = events(server, task["id"], stop_after=6)
     deadline = time.monotonic() + 60  # until a flush put those events on disk (a busy machine may be slow)
@@ -226,7 +226,7 @@ def test_a_v1_background_stream_running_when_the_server_is_killed_ends_failed_af
         start_server, tiny_model_dir, tmp_path):
     store = str(tmp_path / "store.sqlite3")
     args = ("--model", str(tiny_model_dir), "--model-id", "tiny", "--store", store)
-    server = start_server(*args)
+    server = start_server(*args, process=True)
     lines = []
     with httpx.stream("POST", server.url + "/v1/responses", timeout=120,
                       json={**ask(max_output_tokens=20000), "background": True, "stream": True}) as r:
@@ -261,7 +261,7 @@ def test_a_v1_background_response_killed_while_queued_still_streams_from_its_sta
                                                                                   tmp_path):
     store = str(tmp_path / "store.sqlite3")
     args = ("--model", str(tiny_model_dir), "--model-id", "tiny", "--store", store, "--max-batch", "1")
-    server = start_server(*args)
+    server = start_server(*args, process=True)
     endless = {**ask(max_output_tokens=20000), "background": True}
     httpx.post(server.url + "/v1/responses", json=endless, timeout=60)
     waiting = httpx.post(server.url + "/v1/responses", json=endless, timeout=60).json()

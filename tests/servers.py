@@ -1,0 +1,201 @@
+"""Real servers for the tests: Hypercorn on a free loopback port, in this process or in a child.
+
+`InProcessServer` runs `serve.build` and `serve.serve` on a thread of the test process: the
+same app, engine, store and Hypercorn as `python -m lmsp_mlx.serve`, without the 3 s a new
+interpreter takes to import MLX and Quart. Its log is a file holding the records of its own
+threads. `ProcessServer` is `python -m lmsp_mlx.serve` itself, for what needs a process:
+signals, kill -9, environment variables and the exit status.
+
+Both have `url`, `port`, `args`, `log()`, `wait_for_log()` and `stop()`, and `sources`: the
+cache sources the tests' request helpers recorded (conftest.source_of); a process also has `proc`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+
+from lmsp_mlx import serve
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def private_args(args: list[str], where: Path) -> list[str]:
+    """`args` with the KV directory, store and state key under `where`, never the user's own."""
+    if "--kv-disk-dir" not in args and "--no-kv-disk" not in args:
+        args = [*args, "--kv-disk-dir", str(where / "kv")]
+    if "--store" not in args:
+        args = [*args, "--store", str(where / "store.sqlite3")]
+    if "--state-key-file" not in args:
+        args = [*args, "--state-key-file", str(where / "state.key")]
+    return args
+
+
+class _LogFile:
+    def __init__(self, log_path: Path) -> None:
+        self.log_path = log_path
+        self.sources: list[str] = []  # conftest.source_of
+
+    def log(self) -> str:
+        return self.log_path.read_text()
+
+    def wait_for_log(self, needle: str, timeout: float = 30) -> str:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            text = self.log()
+            if needle in text:
+                return text
+            time.sleep(0.1)
+        raise AssertionError(f"{needle!r} not logged within {timeout}s:\n{self.log()[-3000:]}")
+
+
+class ProcessServer(_LogFile):
+    """`python -m lmsp_mlx.serve ARGS` in a subprocess, its log in a file."""
+
+    def __init__(self, args: list[str], log_path: Path, env: dict | None = None) -> None:
+        super().__init__(log_path)
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.args = private_args(args, log_path.parent)
+        self._log = open(log_path, "w")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "lmsp_mlx.serve", "--port", str(self.port), *self.args],
+            cwd=ROOT, stdout=self._log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})},
+        )
+
+    def wait_ready(self, timeout: float = 600) -> "ProcessServer":
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited {self.proc.returncode}:\n{self.log()}")
+            try:
+                if httpx.get(self.url + "/healthz", timeout=1).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        raise RuntimeError(f"server not ready after {timeout}s:\n{self.log()}")
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+        self._log.close()
+
+
+class _OwnThreads(logging.Filter):
+    """Passes the records of one server's threads: while it builds, any thread started since;
+    then those threads, its serving thread and its executor (named after it)."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__()
+        self.name_prefix = name
+        self.before = {t.ident for t in threading.enumerate()}
+        self.owned: set[int] | None = None  # fixed once built
+
+    def settle(self) -> None:
+        self.owned = {t.ident for t in threading.enumerate()} - self.before
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.threadName.startswith(self.name_prefix):
+            return True
+        return record.thread not in self.before if self.owned is None else record.thread in self.owned
+
+
+class InProcessServer(_LogFile):
+    """`build` and `serve` on a thread of this process, with a loop of its own.
+
+    Servers start one at a time (`start` returns once it answers), which is what lets the
+    log filter tell this server's worker threads from the others'."""
+
+    started = False  # whether any ran: MLX in threads needs the hard exit at the session's end (conftest)
+
+    def __init__(self, args: list[str], log_path: Path) -> None:
+        super().__init__(log_path)
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.args = private_args(args, log_path.parent)
+        self.name = f"srv{self.port}"
+        parsed = serve.parse_args(["--port", str(self.port), *self.args])
+        self._handler = logging.FileHandler(log_path)
+        self._handler.setFormatter(logging.Formatter(serve.LOG_FORMAT))
+        self._handler.setLevel(parsed.log_level.upper())
+        self._filter = _OwnThreads(self.name)
+        self._handler.addFilter(self._filter)
+        root = logging.getLogger()
+        root.addHandler(self._handler)
+        root.setLevel(min(root.getEffectiveLevel(), self._handler.level))
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stop = asyncio.Event()  # bound to the server's loop on first use
+        self._service: serve.Service | None = None
+        self._failed: BaseException | None = None
+        self._ready = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(parsed,), name=self.name, daemon=True)
+        InProcessServer.started = True
+
+    def start(self, timeout: float = 600) -> "InProcessServer":
+        self._thread.start()
+        if not self._ready.wait(timeout):
+            raise RuntimeError(f"server not built after {timeout}s:\n{self.log()}")
+        if self._failed is not None:
+            self._detach()
+            raise RuntimeError(f"server did not start: {self._failed}\n{self.log()}")
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if not self._thread.is_alive():
+                self._detach()
+                raise RuntimeError(f"server stopped before it answered:\n{self.log()}")
+            try:
+                if httpx.get(self.url + "/healthz", timeout=1).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                time.sleep(0.02)
+        raise RuntimeError(f"server not ready after {timeout}s:\n{self.log()}")
+
+    def _run(self, parsed) -> None:
+        try:
+            self._service = serve.build(parsed)
+        except BaseException as exc:  # StartError, or a bug: the test sees it either way
+            self._failed = exc
+            return
+        finally:
+            self._filter.settle()
+            self._ready.set()
+        loop = self._loop = asyncio.new_event_loop()
+        loop.set_default_executor(ThreadPoolExecutor(thread_name_prefix=self.name))
+        try:
+            loop.run_until_complete(serve.serve(self._service, self._stop))
+        finally:
+            loop.run_until_complete(loop.shutdown_default_executor())
+            loop.close()
+
+    def stop(self) -> None:
+        if self._loop is not None and not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(self._stop.set)
+        self._thread.join(timeout=60)
+        if self._service is not None:
+            self._service.close()
+            self._service = None
+        self._detach()
+
+    def _detach(self) -> None:
+        logging.getLogger().removeHandler(self._handler)
+        self._handler.close()
