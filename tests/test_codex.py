@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
+from conftest import lookups_during  # noqa: E402
 from tiny_model import CALLS, STEPPED_CHATML, TOOL_SCRIPT, build_scripted_model  # noqa: E402
 
 
@@ -81,17 +82,19 @@ def test_codex_exec_runs_two_commands_and_each_turn_continues_the_live_state(cod
     (tmp_path / "work").mkdir()
     (tmp_path / "work" / "notes.txt").write_text("water the ferns\n")
     # The commands only read; no sandbox, so the test does not depend on this machine's namespaces.
-    r = codex_exec(codex, server, tmp_path, "What do my notes say?", "--sandbox", "danger-full-access")
+    run: dict = {}
+    sources = lookups_during(server, lambda: run.update(r=codex_exec(codex, server, tmp_path, "What do my notes say?",
+                                                                     "--sandbox", "danger-full-access")))
+    r = run["r"]
     assert r.returncode == 0, r.stderr[-3000:]
     assert ANSWER in r.stdout
     transcript = r.stdout + r.stderr
     assert "cat notes.txt" in transcript and "wc -c notes.txt" in transcript
     log = server.log()
     turns = re.findall(r"request route=v1 model=tiny prompt_tokens=(\d+) cached_tokens=(\d+)", log)
-    sources = re.findall(r"cache_source=(\S+) cached", log)
     assert len(turns) == 3 and "code=" not in log
     # Codex sends the whole history each turn (store: false, encrypted reasoning included);
     # the turns after a tool call continue the live KV: only the tool result is prefilled.
-    assert sources == ["cold", "visible", "visible"]
+    assert sources == {"cold": 1, "visible": 2}
     for prompt, cached in turns[1:]:
         assert int(prompt) - int(cached) < 400 < int(cached)

@@ -4,7 +4,6 @@ from the checkpointed KV of its text where that is there, from the model's summa
 
 from __future__ import annotations
 
-import re
 import sys
 import time
 from pathlib import Path
@@ -13,6 +12,7 @@ import httpx
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
+from conftest import source_of  # noqa: E402
 from tiny_model import ENDLESS, FINISHES  # noqa: E402
 
 HISTORY = [
@@ -26,19 +26,15 @@ NEXT = {"role": "user", "content": FINISHES}
 
 def compact(server, route: str = "/v1/responses/compact", **fields) -> httpx.Response:
     body = {"model": "tiny", "input": HISTORY, "instructions": "Be brief.", "max_output_tokens": 12, **fields}
-    return httpx.post(server.url + route, json=body, timeout=120)
+    return source_of(server, lambda: httpx.post(server.url + route, json=body, timeout=120))
 
 
 def ask(server, input_: list) -> dict:
-    r = httpx.post(server.url + "/v1/responses", timeout=120, json={
+    r = source_of(server, lambda: httpx.post(server.url + "/v1/responses", timeout=120, json={
         "model": "tiny", "input": input_, "instructions": "Be brief.", "temperature": 0, "max_output_tokens": 8,
-        "store": False})
+        "store": False}))
     assert r.status_code == 200, r.text
     return r.json()
-
-
-def sources(server) -> list[str]:
-    return re.findall(r"cache_source=(\S+(?: ids=\d+)?) cached", server.log())
 
 
 @pytest.fixture
@@ -92,7 +88,7 @@ def test_continuing_a_compaction_prefills_only_the_new_message_and_says_what_the
     # The compaction's KV (the whole history) is reused: only the new turn is prefilled.
     prefilled = continued["usage"]["input_tokens"] - continued["usage"]["input_tokens_details"]["cached_tokens"]
     assert prefilled < 40
-    assert sources(server)[1] in ("token", "text")
+    assert server.sources[1] in ("token", "text")
 
 
 def test_after_a_restart_the_checkpoint_resumes_it_and_without_it_the_summary_does(
@@ -105,7 +101,7 @@ def test_after_a_restart_the_checkpoint_resumes_it_and_without_it_the_summary_do
     again = start_server("--model", str(tiny_model_dir), "--model-id", "tiny", "--kv-disk-dir", str(kv_dir),
                          "--state-key-file", str(key))
     resumed = ask(again, [*output, NEXT])
-    assert sources(again) == ["disk"]
+    assert again.sources == ["disk"]
     assert resumed["usage"]["input_tokens"] - resumed["usage"]["input_tokens_details"]["cached_tokens"] < 40
     # No checkpoint: the compaction item becomes the summary, the history is not re-sent.
     bare = start_server("--model", str(tiny_model_dir), "--model-id", "tiny", "--no-kv-disk",
@@ -153,9 +149,9 @@ def caller_dir(tmp_path_factory) -> Path:
 def call_loop(server, input_: list, **fields) -> dict:
     from test_tools import TOOLS
 
-    r = httpx.post(server.url + "/v1/responses", timeout=120, json={
+    r = source_of(server, lambda: httpx.post(server.url + "/v1/responses", timeout=120, json={
         "model": "tiny", "input": input_, "tools": TOOLS, "temperature": 0, "max_output_tokens": 40, "store": False,
-        **fields})
+        **fields}))
     assert r.status_code == 200, r.text
     return r.json()
 
@@ -169,7 +165,7 @@ def test_a_tool_loop_continues_after_a_compaction_with_tool_outputs_alone(start_
     turn = call_loop(server, [*compacted, QUESTION])
     calls = [i for i in turn["output"] if i["type"] == "function_call"]
     alone = call_loop(server, outputs_for(calls))  # only the results: the live turn, compacted history and all
-    assert sources(server)[-1] == "tool-output ids=2"
+    assert server.sources[-1] == "tool-output"
     whole = call_loop(server, [*compacted, QUESTION, *turn["output"], *outputs_for(calls)])
     assert alone["usage"]["input_tokens"] == whole["usage"]["input_tokens"]
 
@@ -192,7 +188,7 @@ def test_compacting_a_live_reasoning_turn_checkpoints_the_kv_it_holds(start_serv
     server.stop()
     again = start_server(*args)
     resumed = call_loop(again, [*compacted, QUESTION])
-    assert sources(again)[0] == "disk" and "continuing from its summary" not in again.log()
+    assert again.sources[0] == "disk" and "continuing from its summary" not in again.log()
     # Prefilled: the new question and its markup (about one token per byte here).
     assert resumed["usage"]["input_tokens"] - resumed["usage"]["input_tokens_details"]["cached_tokens"] < 60
 

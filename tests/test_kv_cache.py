@@ -1,12 +1,12 @@
 """KV reuse across turns: every lookup kind, through a real server, proven by cached_tokens.
 
-`usage.input_tokens_details.cached_tokens` is what the server did not prefill; the log's
-`cache_source=` line says which lookup found it.
+`usage.input_tokens_details.cached_tokens` is what the server did not prefill; /metrics'
+lookup counters say which lookup found it (conftest.source_of), and the log's
+`cache_source=` line says so too (the first test reads it once).
 """
 
 from __future__ import annotations
 
-import re
 import sys
 from pathlib import Path
 
@@ -14,6 +14,7 @@ import httpx
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
+from conftest import source_of  # noqa: E402
 from tiny_model import SCRIPTED_REPLY, build_scripted_model  # noqa: E402
 
 
@@ -24,7 +25,7 @@ def scripted_dir(tmp_path_factory) -> Path:
 
 def respond(server, messages, route="/lmsp/v1/responses", model="tiny", **fields) -> dict:
     body = {"model": model, "input": messages, "temperature": 0, "max_output_tokens": 12, **fields}
-    r = httpx.post(server.url + route, json=body, timeout=120)
+    r = source_of(server, lambda: httpx.post(server.url + route, json=body, timeout=120))
     assert r.status_code == 200, r.text
     return r.json()
 
@@ -42,10 +43,6 @@ def raw_text(resp: dict) -> str:
 
 def cached(resp: dict) -> int:
     return resp["usage"]["input_tokens_details"]["cached_tokens"]
-
-
-def sources(server) -> list[str]:
-    return re.findall(r"cache_source=(\w+) cached=\d+ prompt=\d+", server.log())
 
 
 def kv_after(resp: dict) -> int:
@@ -96,7 +93,7 @@ def test_a_replayed_conversation_prefills_only_the_new_turn(tiny_kv):
         assert cached(nxt) == kv_after(first)
         assert nxt["usage"]["input_tokens"] - cached(nxt) < 40  # the new turn only (bytes, mostly)
         first = nxt
-    assert sources(tiny_kv) == ["cold", "visible", "visible"]
+    assert tiny_kv.sources == ["cold", "visible", "visible"]
     assert f"cache_source=visible cached={cached(first)} prompt={first['usage']['input_tokens']}" in tiny_kv.log()
 
 
@@ -115,7 +112,7 @@ def test_hidden_reasoning_stays_in_the_live_kv(scripted_kv, scripted_dir):
         # <think>, " t", "h", "e", </think>.
         assert nxt["usage"]["input_tokens"] == len(visible_prompt(scripted_dir, history)) + 5 * (i + 1)
         first = nxt
-    assert sources(scripted_kv) == ["cold", "visible", "visible"]
+    assert scripted_kv.sources == ["cold", "visible", "visible"]
 
 
 def test_a_session_without_a_reply_is_continued_by_exact_token_prefix(tiny_kv):
@@ -124,7 +121,7 @@ def test_a_session_without_a_reply_is_continued_by_exact_token_prefix(tiny_kv):
     first = respond(tiny_kv, question, max_output_tokens=1)
     nxt = respond(tiny_kv, question + [assistant("Red."), user("More?")])
     assert cached(nxt) == first["usage"]["input_tokens"]
-    assert sources(tiny_kv) == ["cold", "token"]
+    assert tiny_kv.sources == ["cold", "token"]
 
 
 def test_a_shared_prefix_is_copied_and_the_first_session_survives(tiny_kv):
@@ -136,7 +133,7 @@ def test_a_shared_prefix_is_copied_and_the_first_session_survives(tiny_kv):
     # A's session was not cut down to the shared prefix: its replay still continues it.
     c = respond(tiny_kv, [system, user("First question about bridges?"), assistant(reply_text(a)), user("Go on.")])
     assert cached(c) == kv_after(a)
-    assert sources(tiny_kv) == ["cold", "token", "visible"]
+    assert tiny_kv.sources == ["cold", "token", "visible"]
 
 
 def test_a_bpe_boundary_continues_by_text_prefix_like_a_cold_run(scripted_kv, scripted_dir):
@@ -149,7 +146,7 @@ def test_a_bpe_boundary_continues_by_text_prefix_like_a_cold_run(scripted_kv, sc
     history = question + [assistant("<think> the cat"), user("Continue.")]
     nxt = respond(scripted_kv, history)
     assert cached(nxt) == first["usage"]["input_tokens"] + 2
-    assert sources(scripted_kv) == ["cold", "text"]
+    assert scripted_kv.sources == ["cold", "text"]
 
     from lmsp_mlx.engine.batch import generate
     from lmsp_mlx.engine.generate import GenerationParams
@@ -173,7 +170,7 @@ def test_a_restarted_server_resumes_from_its_shutdown_checkpoint(start_server, t
     after = start_server(*kv)
     nxt = respond(after, history + [assistant(reply_text(first)), user("And at dusk?")])
     assert cached(nxt) == kv_after(first)
-    assert sources(after) == ["disk"]
+    assert after.sources == ["disk"]
 
 
 def test_a_long_prefill_is_checkpointed_and_evicted_sessions_come_back_from_disk(start_server, tiny_model_dir):
@@ -188,7 +185,7 @@ def test_a_long_prefill_is_checkpointed_and_evicted_sessions_come_back_from_disk
     server.wait_for_log("kv memory: evicting a session")
     again = respond(server, a + [assistant(reply_text(ra)), user("More?")])
     assert cached(again) == kv_after(ra)
-    assert sources(server) == ["cold", "token", "disk"]  # b shares the template opening with a
+    assert server.sources == ["cold", "token", "disk"]  # b shares the template opening with a
 
 
 def test_no_kv_disk_writes_nothing(start_server, tiny_model_dir, tmp_path):
@@ -223,7 +220,7 @@ def test_a_quantized_kv_cache_is_reused_checkpointed_and_kept_apart(start_server
     # ... and a quantized one resumes from them, with the same reply as before the restart.
     back = start_server(*kv, "--kv-bits", "8")
     resumed = respond(back, follow)
-    assert sources(back) == ["disk"] and reply_text(resumed) == reply_text(live)
+    assert back.sources == ["disk"] and reply_text(resumed) == reply_text(live)
 
 
 def test_a_kv_quantization_the_model_cannot_take_is_refused_at_start(tiny_model_dir, tmp_path):

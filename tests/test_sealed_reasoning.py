@@ -11,7 +11,6 @@ from __future__ import annotations
 import base64
 import json
 import os
-import re
 import stat
 import sys
 from pathlib import Path
@@ -20,6 +19,7 @@ import httpx
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
+from conftest import source_of  # noqa: E402
 from test_tools import QUESTION, TOOLS, outputs_for  # noqa: E402
 from tiny_model import CALLS, TOOL_SCRIPT, build_scripted_model  # noqa: E402
 
@@ -34,11 +34,7 @@ def caller_dir(tmp_path_factory) -> Path:
 def ask(server, input_: list, **fields) -> httpx.Response:
     body = {"model": "tiny", "input": input_, "tools": TOOLS, "temperature": 0, "max_output_tokens": 40,
             "store": False, "include": INCLUDE, **fields}
-    return httpx.post(server.url + "/v1/responses", json=body, timeout=120)
-
-
-def sources(server) -> list[str]:
-    return re.findall(r"cache_source=(\S+) cached", server.log())
+    return source_of(server, lambda: httpx.post(server.url + "/v1/responses", json=body, timeout=120))
 
 
 def unseal(key_file: Path, token: str) -> dict:
@@ -94,13 +90,13 @@ def test_a_replay_continues_live_and_after_all_state_is_gone_prefills_the_true_h
     held = first["usage"]["input_tokens"] + first["usage"]["output_tokens"]  # its end-of-turn token is prefilled next
     on_live = ask(live, replay).json()
     assert on_live["usage"]["input_tokens_details"]["cached_tokens"] == held
-    assert sources(live) == ["cold", "visible"]
+    assert live.sources == ["cold", "visible"]
 
     # A new process with the same key and no KV state at all (no checkpoints either).
     fresh = start_server("--model", str(caller_dir), "--model-id", "tiny", "--state-key-file", str(key_file),
                          "--no-kv-disk")
     cold = ask(fresh, replay).json()
-    assert cold["status"] == "completed" and sources(fresh) == ["cold"]
+    assert cold["status"] == "completed" and fresh.sources == ["cold"]
     visible_only = [QUESTION, {**first["output"][0], "encrypted_content": None}, *replay[2:]]
     blind = ask(fresh, visible_only).json()
     # The true history holds the reasoning the template drops: <think>, Ġthe, </think>.
@@ -178,4 +174,4 @@ def test_an_agent_loop_replaying_sealed_reasoning_continues_live_every_turn(star
             assert resp["usage"]["input_tokens_details"]["cached_tokens"] >= held
         previous = resp
     assert resp["output"][0]["content"][0]["text"] == ANSWER
-    assert sources(server) == ["cold", "visible", "visible"]
+    assert server.sources == ["cold", "visible", "visible"]

@@ -8,7 +8,6 @@ every turn, whatever it is told: the tests are about the protocol and the KV, no
 from __future__ import annotations
 
 import json
-import re
 import sys
 from pathlib import Path
 
@@ -16,6 +15,7 @@ import httpx
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
+from conftest import source_of  # noqa: E402
 from tiny_model import CALLS, TOOL_SCRIPT, build_scripted_model  # noqa: E402
 
 # strict: false: the scripted model samples each whole call as one artificial token, which
@@ -41,8 +41,9 @@ def caller(start_server, caller_dir):
 
 
 def post(server, body: dict, route: str = "/lmsp/v1/responses") -> httpx.Response:
-    return httpx.post(server.url + route, json={"model": "tiny", "temperature": 0, "max_output_tokens": 40, **body},
-                      timeout=120)
+    """The request, its cache source recorded on `server.sources` (conftest.source_of)."""
+    return source_of(server, lambda: httpx.post(server.url + route, timeout=120, json={
+        "model": "tiny", "temperature": 0, "max_output_tokens": 40, **body}))
 
 
 def outputs_for(calls: list[dict]) -> list[dict]:
@@ -52,10 +53,6 @@ def outputs_for(calls: list[dict]) -> list[dict]:
 
 def cached(resp: dict) -> int:
     return resp["usage"]["input_tokens_details"]["cached_tokens"]
-
-
-def sources(server) -> list[str]:
-    return re.findall(r"cache_source=(\S+(?: ids=\d+)?) cached", server.log())
 
 
 def test_a_turn_with_reasoning_and_two_calls(caller):
@@ -88,7 +85,7 @@ def test_the_turn_after_the_calls_prefills_only_the_tool_results(caller):
     held2 = replay["usage"]["input_tokens"] + replay["usage"]["output_tokens"]
     only = post(caller, {"input": outputs_for(calls2), "tools": TOOLS}).json()
     assert cached(only) == held2
-    assert sources(caller) == ["cold", "visible", "tool-output ids=2"]
+    assert caller.sources == ["cold", "visible", "tool-output"]
 
 
 def test_parallel_tool_calls_false_ends_the_turn_at_its_first_call(caller):
@@ -99,7 +96,7 @@ def test_parallel_tool_calls_false_ends_the_turn_at_its_first_call(caller):
     # The KV holds exactly that one call, so the replay with its result continues it.
     replay = post(caller, {"input": [QUESTION, *first["output"], *outputs_for(calls)], "tools": TOOLS,
                            "parallel_tool_calls": False}).json()
-    assert sources(caller)[-1] == "visible"
+    assert caller.sources[-1] == "visible"
     # (all but the call's last token: sampled last, it was never fed, and is prefilled now)
     assert cached(replay) >= first["usage"]["input_tokens"] + first["usage"]["output_tokens"] - 1
 
@@ -203,7 +200,7 @@ def test_another_tokens_call_ids_are_unknown_to_it(start_server, caller_dir, tmp
     # continue its KV (hidden reasoning and all) and leak what it holds into the reply.
     everything = ["responses:write", "responses:read", "models:read"]
     tokens = tmp_path / "tokens.json"
-    tokens.write_text(json.dumps({"alice": everything, "mallory": everything}))
+    tokens.write_text(json.dumps({"alice": everything, "mallory": everything, "ops": ["admin"]}))
     server = start_server("--model", str(caller_dir), "--model-id", "tiny", "--tokens", str(tokens))
 
     def as_(who: str, body: dict) -> httpx.Response:
@@ -217,9 +214,9 @@ def test_another_tokens_call_ids_are_unknown_to_it(start_server, caller_dir, tmp
     # Replaying alice's call without its reasoning does not borrow her state either.
     r = as_("mallory", {"input": [QUESTION, *calls, *outputs_for(calls)]})
     assert r.status_code == 400 and r.json()["code"] == "reasoning_state_missing", r.text
-    own = as_("alice", {"input": outputs_for(calls)})
+    own = source_of(server, lambda: as_("alice", {"input": outputs_for(calls)}), headers={"Authorization": "Bearer ops"})
     assert own.status_code == 200 and cached(own.json()) > 0
-    assert sources(server)[-1] == "tool-output ids=2"
+    assert server.sources == ["tool-output"]
 
 
 def test_tool_output_only_after_the_live_state_was_replaced_is_409(start_server, caller_dir):
@@ -297,7 +294,7 @@ def test_a_tool_loop_resumes_after_a_restart(start_server, caller_dir, tmp_path)
     # Only the tool outputs: the new process knows the calls from the checkpoint.
     only = post(after, {"input": outputs_for(calls), "tools": TOOLS}).json()
     assert cached(only) == held
-    assert sources(after) == ["tool-output ids=2"]
+    assert after.sources == ["tool-output"]
 
 
 CODEX_BODY = {  # the shape of a Codex CLI request (0.4x, wire_api = "responses")
