@@ -45,7 +45,7 @@ class TextReply:
         self.prefix = run.prompt_text if req.echo else ""
 
     def usage(self) -> dict[str, Any]:
-        u = self.run.ended.usage
+        u = self.run.finished.usage
         return usage(u.input_tokens, u.output_tokens, u.cached_tokens)
 
     async def complete(self) -> dict[str, Any]:

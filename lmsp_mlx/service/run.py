@@ -1,8 +1,9 @@
 """One response from request to result, shared by the LMSP and /v1 routes.
 
 `ResponseRun` validates what the model can do, renders and measures the prompt, queues the
-job, and folds the worker's events into the response object; the routes only choose the
-framing (sync JSON, LMSP SSE, Open Responses SSE).
+job, and folds the worker's events into the response object (the job and its pump are
+service/worker_run.py's, as for text completions); the routes only choose the framing (sync
+JSON, LMSP SSE, Open Responses SSE, Chat chunks).
 """
 
 from __future__ import annotations
@@ -10,21 +11,20 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Any, AsyncIterator, Callable
+from typing import Any, Callable
 
-from ..engine.events import Failed, Finished
-from ..engine.generate import GenerationParams, Penalties
+from ..engine.events import Failed, Finished, GenerationEvent
+from ..engine.generate import GenerationParams
 from ..engine.constrain import Constraint, GrammarError
 from ..engine.grammar import ReplySpec, full_grammar
 from ..engine.output import OutputFormat
-from ..engine.loader import LoadedModel
-from ..engine.worker import Engine, Job
+from ..engine.worker import Engine
 from ..protocol.ids import new_id
 from ..protocol.problems import Problem
 from ..protocol.requests import (FunctionCallItem, FunctionCallOutputItem, InputItem, MessageItem, ReasoningItem,
                                  ResponsesRequest)
 from ..protocol.responses import (IncompleteDetails, InputTokensDetails, OutputTokensDetails,
-                                  ResponseObject, ResponseUsage, Status)
+                                  ResponseObject, ResponseUsage)
 from ..protocol.auth import LOCAL_OWNER
 from ..protocol.routes import Route
 from . import compaction
@@ -32,31 +32,9 @@ from .conversation import open_reasoning, prepare
 from ..protocol.item_events import ItemEvent
 from .items import ItemFolder
 from .sealing import Sealer
+from .worker_run import WorkerRun, check_model, check_room, sampling
 
 log = logging.getLogger("lmsp_mlx.server")
-
-
-def check_model(lm: LoadedModel, model: str) -> None:
-    """404 `model_not_found` for a model this server does not serve."""
-    if model != lm.id:
-        raise Problem("model_not_found", f"model {model!r} is not served here; try {lm.id!r}", param="model")
-
-
-def check_room(prompt_tokens: int, ctx: int, param: str) -> int:
-    """The output tokens the context leaves after the prompt; 400 `context_length_exceeded`
-    where it leaves none."""
-    if prompt_tokens >= ctx:
-        raise Problem("context_length_exceeded", f"the prompt has {prompt_tokens} tokens but the model's context is "
-                      f"{ctx} tokens (at least one must remain for the output)", param=param)
-    return ctx - prompt_tokens
-
-
-def stop_job(engine: Engine, job: Job) -> None:
-    """The client left: the worker stops the job at its next prefill chunk or decode step,
-    and a job still queued leaves the queue."""
-    job.cancel()
-    if not job.started:
-        engine.withdraw(job)
 
 
 def check_capabilities(req: ResponsesRequest, capabilities: tuple[str, ...]) -> None:
@@ -89,7 +67,7 @@ def check_capabilities(req: ResponsesRequest, capabilities: tuple[str, ...]) -> 
         )
 
 
-class ResponseRun:
+class ResponseRun(WorkerRun[ItemEvent]):
     """`req` is the request as sent; `history` the stored conversation its
     `previous_response_id` names, rendered before its input. `on_end`, when the response is
     to be stored, is called once it has ended. `sealer` opens sealed reasoning and compaction
@@ -105,21 +83,18 @@ class ResponseRun:
         assert lm is not None
         check_model(lm, req.model)
         check_capabilities(req, lm.capabilities)
-        self.engine = engine
+        super().__init__(engine, new_id("resp"))
         self.req = req
         self.route = route
         self.prefill_step = prefill_step
-        self.id = new_id("resp")
+        self.id = self.name
         self.created_at = int(time.time())
         self.completed_at: int | None = None
-        self.status: Status = "in_progress"
         self.sealer = sealer
         sealed = route == "v1" and "reasoning.encrypted_content" in (req.include or [])
         self.folder = ItemFolder(seal=(lambda raw: sealer.seal("reasoning", {"raw": raw})) if sealed else None)
         self.usage: ResponseUsage | None = None
         self.incomplete_reason: str | None = None
-        self.error: Problem | None = None  # why a failed run failed
-        self.job = None
         self.limited_by_context = False
         self.history = history or []
         self.on_end = on_end
@@ -128,14 +103,11 @@ class ResponseRun:
         self.compacted: str | None = None
         self.stop = stop  # Chat's stop sequences (http/chat.py trims the text at them: service/stops.py)
         self.owner = owner  # the token that sent it (lmsp_mlx/http/auth.py)
-        self._items: asyncio.Queue[ItemEvent | None] = asyncio.Queue()  # _fold_all -> events()
-        self._crash: Exception | None = None
-        self._pump: asyncio.Task | None = None  # held: the loop keeps only weak references to tasks
 
     async def start(self) -> None:
         """Render and measure the prompt (off the event loop), then queue the job."""
         conv, spec, prompt, visible = await self.prompt()
-        await self._submit(conv, spec, prompt, visible)
+        await self._queue(conv, spec, prompt, visible)
 
     async def prompt(self):
         """The conversation, its reply constraint, its prompt and visible text, after any
@@ -170,7 +142,7 @@ class ResponseRun:
                 conv, spec, prompt, visible = await self._render(items, head)
         return conv, spec, prompt, visible
 
-    async def _submit(self, conv, spec, prompt, visible) -> None:
+    async def _queue(self, conv, spec, prompt, visible) -> None:
         lm = self.engine.model
         ctx = lm.context_length
         constraint = await asyncio.to_thread(self._constraint, spec, prompt.text) if spec else None
@@ -186,9 +158,7 @@ class ResponseRun:
             stop=self.stop,
             **sampling(self.req, lm.vocab_size),
         )
-        self.job = self.engine.submit(params, self.route, text=prompt.text, conv=conv, visible=visible,
-                                      keep_history=self.compacted)
-        self._pump = asyncio.get_running_loop().create_task(self._fold_all(), name=self.id)
+        self._submit(params, self.route, text=prompt.text, conv=conv, visible=visible, keep_history=self.compacted)
 
     async def _render(self, items: list[InputItem], head: str):
         """The conversation of `items`, its reply constraint, its prompt and visible text."""
@@ -222,71 +192,37 @@ class ResponseRun:
             where = "tools" if spec.kind in ("call", "calls") else "tool_choice" if spec.kind == "text" else "response_format"
             raise Problem("invalid_request", f"the reply's constraint cannot be compiled: {exc}", param=where) from None
 
-    async def events(self) -> AsyncIterator[ItemEvent]:
-        """Item-level events as the worker produces them; the final state is set at the end.
-        A reader may leave early (a client that disconnected): the run still ends, and is
-        kept, on its own (`_fold_all`)."""
-        while (e := await self._items.get()) is not None:
-            yield e
-        if self._crash is not None:
-            raise self._crash
+    async def _after(self) -> None:
+        self.completed_at = int(time.time())
+        if self.on_end is not None:
+            await asyncio.to_thread(self.on_end, self)
 
-    async def _fold_all(self) -> None:
-        """Fold every worker event into the response, whether or not anyone reads them."""
-        try:
-            async for event in self.job.stream():
-                for e in self._fold(event):
-                    self._items.put_nowait(e)
-            self.completed_at = int(time.time())
-            if self.on_end is not None:
-                await asyncio.to_thread(self.on_end, self)
-        except Exception as exc:  # a bug: the reader's to report (a task fails, a request 500s)
-            self._crash = exc
-        finally:
-            self._items.put_nowait(None)
+    def _finished(self, event: Finished) -> None:
+        u = event.usage
+        self.usage = ResponseUsage(
+            input_tokens=u.input_tokens, output_tokens=u.output_tokens, total_tokens=u.total_tokens,
+            input_tokens_details=InputTokensDetails(cached_tokens=u.cached_tokens),
+            output_tokens_details=OutputTokensDetails(reasoning_tokens=u.reasoning_tokens),
+        )
+        if event.reason == "length":
+            self.status = "incomplete"
+            self.incomplete_reason = "context_length" if self.limited_by_context else "max_output_tokens"
+        else:
+            super()._finished(event)
 
-    def _fold(self, event) -> list[ItemEvent]:
+    def _fold(self, event: GenerationEvent) -> list[ItemEvent]:
         if isinstance(event, Finished):
             cut = "incomplete" if event.reason in ("length", "cancelled") else "completed"  # the item it cut
-            out = self.folder.close(ensure_message=event.reason != "cancelled" and self.req.generate is not False,
-                                    status=cut)
-            u = event.usage
-            self.usage = ResponseUsage(
-                input_tokens=u.input_tokens, output_tokens=u.output_tokens, total_tokens=u.total_tokens,
-                input_tokens_details=InputTokensDetails(cached_tokens=u.cached_tokens),
-                output_tokens_details=OutputTokensDetails(reasoning_tokens=u.reasoning_tokens),
-            )
-            if event.reason == "length":
-                self.status = "incomplete"
-                self.incomplete_reason = "context_length" if self.limited_by_context else "max_output_tokens"
-            else:
-                self.status = "cancelled" if event.reason == "cancelled" else "completed"
-            return out
+            return self.folder.close(ensure_message=event.reason != "cancelled" and self.req.generate is not False,
+                                     status=cut)
         if isinstance(event, Failed):
-            self.status = "failed"
-            self.error = Problem(event.code, event.message)
             return []
         return self.folder.feed(event)
-
-    async def ended(self) -> None:
-        """Wait until the run has ended and is stored (when it is to be)."""
-        if self._pump is not None:
-            await asyncio.shield(self._pump)
-
-    @property
-    def waiting(self) -> bool:
-        """Queued behind other requests: the worker runs another one while this waits."""
-        return self.job is not None and self.status == "in_progress" and self.engine.behind_another(self.job)
 
     def stored_request(self) -> dict[str, Any]:
         """The request as the store keeps it: its own input items, not the history before them."""
         return {**self.req.model_dump(mode="json", exclude_none=True),
                 "input": [item.model_dump(mode="json", exclude_none=True) for item in self.req.items()]}
-
-    def cancel(self) -> None:
-        """The client left: stop the worker at its next prefill chunk or decode step."""
-        if self.job is not None and self.status == "in_progress":
-            stop_job(self.engine, self.job)
 
     def response(self) -> ResponseObject:
         return ResponseObject(
@@ -310,26 +246,6 @@ class ResponseRun:
         if self.status == "failed":
             raise self.error
         return self.response()
-
-
-def sampling(req: Any, vocab: int | None) -> dict[str, Any]:
-    """GenerationParams' sampling fields from a request's OpenAI-style settings, which
-    Responses, Chat and text completions name alike."""
-    bias = tuple((int(k), v) for k, v in (req.logit_bias or {}).items() if v)
-    if bias and (vocab is None or any(t >= vocab for t, _ in bias)):
-        raise Problem("invalid_request", "logit_bias names a token id outside the vocabulary"
-                      + (f" (0..{vocab - 1})" if vocab else " (this model does not state its size)"),
-                      param="logit_bias")
-    penalties = None
-    if bias or req.presence_penalty or req.frequency_penalty:
-        penalties = Penalties(req.presence_penalty or 0.0, req.frequency_penalty or 0.0, bias)
-    return {
-        # top_p 0 keeps only the likeliest token: greedy, whatever the temperature.
-        "temperature": 0.0 if req.top_p == 0 else 1.0 if req.temperature is None else req.temperature,
-        "top_p": 1.0 if req.top_p is None else req.top_p,
-        "penalties": penalties,
-        "seed": req.seed,
-    }
 
 
 def successively_shorter(items: list[InputItem]) -> list[list[InputItem]]:

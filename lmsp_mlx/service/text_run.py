@@ -1,7 +1,8 @@
 """One text completion from request to result: the prompt continued as it is (no chat
 template), over the same engine and KV sessions as every response (a prompt that repeats
-an earlier one's tokens or text reuses its KV), with the checks every run makes
-(service/run.py: the model, the room left in the context, leaving when the client does).
+an earlier one's tokens or text reuses its KV), on the one path to the worker every run
+takes (service/worker_run.py: the model, the room left in the context, the job and its
+pump, leaving when the client does).
 
 Stop sequences work as on Chat (service/stops.py): the engine ends the turn on the token
 that completes one, and the text is cut there, held back where it may begin one.
@@ -13,32 +14,31 @@ import asyncio
 import time
 from typing import AsyncIterator
 
-from ..engine.events import Failed, Finished, TextDelta
+from ..engine.events import Finished, GenerationEvent, TextDelta
 from ..engine.generate import GenerationParams
 from ..engine.loader import LoadedModel
 from ..engine.worker import Engine
 from ..protocol.completions import CompletionRequest, completion_id
 from ..protocol.problems import Problem
-from .run import check_model, check_room, sampling, stop_job
 from .stops import StopScanner
+from .worker_run import WorkerRun, check_model, check_room, sampling
 
 
-class TextRun:
+class TextRun(WorkerRun[str]):
     """`start` encodes and queues the prompt; `pieces` is the text as it is sampled, cut
-    at a stop sequence, and `ended` the worker's Finished once it is done."""
+    at a stop sequence, and `finished` the worker's Finished once it is done."""
 
     def __init__(self, engine: Engine, req: CompletionRequest, prefill_step: int) -> None:
         check_model(engine.model, req.model)
-        self.engine = engine
+        super().__init__(engine, completion_id())
         self.req = req
         self.prefill_step = prefill_step
-        self.id = completion_id()
+        self.id = self.name
         self.created = int(time.time())
         self.scanner = StopScanner(req.stops())
         self.stopped = False  # by a stop sequence
         self.prompt_text = ""
-        self.job = None
-        self.ended: Finished | None = None
+        self.finished: Finished | None = None
 
     async def start(self) -> None:
         lm = self.engine.model
@@ -47,29 +47,32 @@ class TextRun:
         params = GenerationParams(prompt=tokens, max_tokens=min(self.req.max_tokens, room),
                                   prefill_step=self.prefill_step, stop=tuple(self.req.stops()), raw=True,
                                   ignore_eos=self.req.ignore_eos, **sampling(self.req, lm.vocab_size))
-        self.job = self.engine.submit(params, "completions", text=self.prompt_text)
+        self._submit(params, "completions", text=self.prompt_text)
+
+    def _fold(self, event: GenerationEvent) -> list[str]:
+        if isinstance(event, TextDelta) and not self.stopped:
+            piece, self.stopped = self.scanner.feed(event.text)
+            return [piece] if piece else []
+        if isinstance(event, Finished):
+            self.finished = event
+            held = self.scanner.flush() if not self.stopped else ""
+            return [held] if held else []
+        return []
 
     async def pieces(self) -> AsyncIterator[str]:
+        """The completion's text; a failure or a shutdown ends it with a Problem."""
         try:
-            async for e in self.job.stream():
-                if isinstance(e, TextDelta) and not self.stopped:
-                    piece, self.stopped = self.scanner.feed(e.text)
-                    if piece:
-                        yield piece
-                elif isinstance(e, Failed):
-                    raise Problem(e.code, e.message)
-                elif isinstance(e, Finished):
-                    self.ended = e
-            if not self.stopped and (held := self.scanner.flush()):
-                yield held
-        finally:  # the client left: stop the worker at its next step
-            if not self.job.ended:
-                stop_job(self.engine, self.job)
-        if self.ended.reason == "cancelled":
+            async for piece in self.events():
+                yield piece
+        finally:  # the client left (or it ended): stop the worker at its next step
+            self.cancel()
+        if self.error is not None:
+            raise self.error
+        if self.status == "cancelled":
             raise Problem("internal_error", "the server is shutting down")
 
     def finish_reason(self) -> str:
-        return "length" if self.ended.reason == "length" and not self.stopped else "stop"
+        return "length" if self.finished.reason == "length" and not self.stopped else "stop"
 
 
 def _encode(lm: LoadedModel, prompt: str | list[int]) -> tuple[list[int], str]:
