@@ -1,14 +1,15 @@
-"""Run a kernel body from kernels/ on the CPU, one OS thread per GPU thread.
+"""Run a kernel body from kernels/ on the CPU, one fiber per GPU thread.
 
 No GPU is needed to check what a kernel computes: the body is compiled as C++ (g++) inside
 a small emulation of the SIMT model:
-- every thread of a threadgroup (CUDA block) is an OS thread, and threadgroups run one
-  after another;
+- every thread of a threadgroup (CUDA block) is a fiber (ucontext) of one OS thread, run
+  round-robin: a barrier or simd operation switches to the next fiber; threadgroups run
+  one after another;
 - threadgroup / __shared__ arrays are statics, shared by the group's threads;
 - barriers (threadgroup_barrier, __syncthreads) are a std::barrier of the group;
 - the simdgroup / warp operations (simd_sum, __shfl_xor_sync) exchange values through slots
   behind a barrier of the 32 lanes;
-- the thread attributes (thread_index_in_simdgroup, blockIdx, ...) are thread-locals.
+- the thread attributes (thread_index_in_simdgroup, blockIdx, ...) are the running fiber's.
 
 The signature is assembled as MLX assembles it: inputs, their `_shape`/`_strides` where
 the body names them, outputs, and template args as constants at the top of the body.
@@ -46,32 +47,39 @@ PRELUDE = r"""
 #include <algorithm>
 #include <array>
 #include <atomic>
-#include <chrono>
 #include <cmath>
-#include <condition_variable>
 #include <cstdint>
 #include <cstring>
 #include <limits>
 #include <map>
-#include <mutex>
-#include <thread>
 #include <vector>
+#include <ucontext.h>
 using std::max; using std::min;
-using Thread = std::thread;  // before the Metal keywords below become macros
 typedef unsigned int uint;
 typedef unsigned long ulong;
 struct uint3 { uint x, y, z; };
-// A barrier that gives up after 10 s (threads that diverge at a barrier or a simd
-// operation would otherwise hang the test): the launch then reports failure.
-static std::atomic<bool> stuck{false};
+// The threads of a threadgroup are fibers of one OS thread (ucontext), run round-robin
+// by `launch`: a barrier or simd operation switches to the next fiber, far cheaper than
+// waking OS threads. Threads that diverge at a barrier leave a round in which no fiber
+// moves on; the launch then reports failure instead of hanging.
+struct Access;
+struct Group;
+struct Lane {
+    ucontext_t ctx; Group* group; uint3 tid, gid, ntg, tpg;
+    std::vector<Access>* trace = nullptr; int epoch = 0; bool done = false;
+};
+static Lane* cur;  // the fiber running now: what a GPU thread's built-ins read
+static ucontext_t scheduler;
+static long progress = 0;  // arrivals at barriers and ends of fibers
+static bool stuck = false;
 struct Barrier {
-    std::mutex m; std::condition_variable cv; int n, count = 0; long generation = 0;
+    int n, count = 0; long generation = 0;
     explicit Barrier(int n) : n(n) {}
     void wait() {
-        std::unique_lock<std::mutex> lock(m);
-        long g = generation;
-        if (++count == n) { count = 0; generation++; cv.notify_all(); return; }
-        if (!cv.wait_for(lock, std::chrono::seconds(10), [&] { return generation != g; })) { stuck = true; count--; }
+        const long g = generation;
+        progress++;
+        if (++count == n) { count = 0; generation++; return; }
+        while (generation == g) swapcontext(&cur->ctx, &scheduler);
     }
 };
 struct Warp { Barrier bar{32}; float slot[32]; };
@@ -80,13 +88,16 @@ struct Group {
     explicit Group(int n) : bar(n) { for (int i = 0; i < n / 32; i++) warps.push_back(new Warp()); }
     ~Group() { for (auto* w : warps) delete w; }
 };
-thread_local Group* tl_group;
-thread_local uint3 tl_tid, tl_gid, tl_ntg, tl_tpg;
+#define tl_group (cur->group)
+#define tl_tid (cur->tid)
+#define tl_gid (cur->gid)
+#define tl_ntg (cur->ntg)
+#define tl_tpg (cur->tpg)
+#define tl_trace (cur->trace)
+#define tl_epoch (cur->epoch)
 // Tracing (run(trace=True)): a thread's accesses to its group's threadgroup arrays, in
 // program order, with the barrier interval they fall in.
 struct Access { int array, epoch, line, index; };
-thread_local std::vector<Access>* tl_trace = nullptr;
-thread_local int tl_epoch = 0;
 // `xs[i]` in a traced body reads `xs(__LINE__)[i]`: the access knows its source line.
 template <int N> struct Logged {
     int id; float v[N];
@@ -270,32 +281,58 @@ def run(stem: str, section: str, dialect: str, inputs: dict[str, np.ndarray], ou
     code = (PRELUDE + dialect_prelude + header + "\n" + "\n".join(lines)
             + f"\nstatic void kernel_body({', '.join(params)}) {{\n{consts}{body}\n}}\n"
             + f"""static std::vector<int> trace_log;
-static std::mutex trace_lock;
 extern "C" long trace_size() {{ return long(trace_log.size()); }}
 extern "C" void trace_copy(int* to) {{ std::memcpy(to, trace_log.data(), trace_log.size() * sizeof(int)); }}
+static void (*lane_body)(Lane&);  // what each fiber of the launch runs
+static void lane_main() {{ lane_body(*cur); cur->done = true; progress++; }}
+static void** lane_in;
+static void** lane_out;
+static int lane_group;
+static void run_lane(Lane& lane) {{
+    std::vector<Access> mine;
+    lane.trace = &mine;
+    void** in = lane_in;
+    void** out = lane_out;
+    kernel_body({', '.join(args)});
+    std::map<std::pair<int, int>, int> seen;  // (interval, line): executions so far
+    for (const Access& a : mine) {{
+        const int j = seen[{{a.epoch, a.line}}]++;
+        trace_log.insert(trace_log.end(), {{lane_group, int(lane.tid.x), a.array, a.epoch, a.line, j, a.index}});
+    }}
+}}
 extern "C" int launch(void** in, void** out, unsigned gx, unsigned gy, unsigned gz, unsigned n) {{
+    constexpr size_t STACK = 1 << 20;  // malloc'd, so only the pages a fiber touches are used
+    std::vector<void*> stacks(n);
+    for (auto& st : stacks) st = std::malloc(STACK);
+    std::vector<Lane> lanes(n);
     stuck = false;
     trace_log.clear();
-    for (unsigned z = 0; z < gz; z++) for (unsigned y = 0; y < gy; y++) for (unsigned x = 0; x < gx; x++) {{
+    lane_body = run_lane; lane_in = in; lane_out = out;
+    for (unsigned z = 0; z < gz && !stuck; z++) for (unsigned y = 0; y < gy && !stuck; y++)
+    for (unsigned x = 0; x < gx && !stuck; x++) {{
         Group group(n);
-        std::vector<Thread> pool;
-        const int g = int((z * gy + y) * gx + x);
-        for (unsigned t = 0; t < n; t++) pool.emplace_back([&, t] {{
-            tl_group = &group; tl_tid = {{t, 0, 0}}; tl_gid = {{x, y, z}}; tl_ntg = {{gx, gy, gz}}; tl_tpg = {{n, 1, 1}};
-            std::vector<Access> mine;
-            tl_trace = &mine; tl_epoch = 0;
-            kernel_body({', '.join(args)});
-            std::lock_guard<std::mutex> hold(trace_lock);
-            std::map<std::pair<int, int>, int> seen;  // (interval, line): executions so far
-            for (const Access& a : mine) {{
-                const int j = seen[{{a.epoch, a.line}}]++;
-                trace_log.insert(trace_log.end(), {{g, int(t), a.array, a.epoch, a.line, j, a.index}});
+        lane_group = int((z * gy + y) * gx + x);
+        for (unsigned t = 0; t < n; t++) {{
+            Lane& l = lanes[t];
+            l.group = &group; l.tid = {{t, 0, 0}}; l.gid = {{x, y, z}}; l.ntg = {{gx, gy, gz}}; l.tpg = {{n, 1, 1}};
+            l.epoch = 0; l.done = false; l.trace = nullptr;
+            getcontext(&l.ctx);
+            l.ctx.uc_stack.ss_sp = stacks[t]; l.ctx.uc_stack.ss_size = STACK; l.ctx.uc_link = &scheduler;
+            makecontext(&l.ctx, lane_main, 0);
+        }}
+        for (unsigned live = n; live > 0;) {{
+            const long before = progress;
+            for (unsigned t = 0; t < n; t++) {{
+                if (lanes[t].done) continue;
+                cur = &lanes[t];
+                swapcontext(&scheduler, &lanes[t].ctx);
+                live -= lanes[t].done;
             }}
-        }});
-        for (auto& th : pool) th.join();
-        if (stuck) return 1;
+            if (live > 0 && progress == before) {{ stuck = true; break; }}  // the fibers left hang; their stacks go
+        }}
     }}
-    return 0;
+    for (auto* st : stacks) std::free(st);
+    return stuck ? 1 : 0;
 }}
 """)
     # Metal's language is C++14 (MSL 3); MLX's NVRTC builds take C++17
