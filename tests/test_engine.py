@@ -86,16 +86,17 @@ def test_a_client_that_closes_as_it_sends_its_request_generates_nothing(tiny_ser
             "messages": [{"role": "user", "content": ENDLESS}]} if "chat" in route else \
         {**ask(max_output_tokens=20000), "stream": stream}
     raw = json.dumps(body).encode()
-    for _ in range(3):  # the race it guards against is not hit every time
-        before = len(tiny_server.log())
-        with socket.create_connection(("127.0.0.1", tiny_server.port)) as s:
-            s.sendall(b"POST %s HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n"
-                      % (route.encode(), len(raw)) + raw)
-        time.sleep(0.3)
-        # The next request waits for the model: behind a 20,000-token reply if one is running.
-        assert httpx.post(tiny_server.url + "/lmsp/v1/responses", json=ask(max_output_tokens=1),
-                          timeout=120).status_code == 200
-        assert "output_tokens=20000" not in tiny_server.log()[before:]
+    before = len(tiny_server.log())
+    with socket.create_connection(("127.0.0.1", tiny_server.port)) as s:
+        s.sendall(b"POST %s HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n"
+                  % (route.encode(), len(raw)) + raw[:-1])
+        time.sleep(0.3)  # the server now waits in the body read for the last byte
+        s.sendall(raw[-1:])  # which arrives with the close: the body ends as the client leaves
+    time.sleep(0.3)
+    # The next request waits for the model: behind a 20,000-token reply if one is running.
+    assert httpx.post(tiny_server.url + "/lmsp/v1/responses", json=ask(max_output_tokens=1),
+                      timeout=120).status_code == 200
+    assert "output_tokens=20000" not in tiny_server.log()[before:]
 
 
 def wait_for_metric(server, line: str, timeout: float = 60) -> None:
@@ -168,7 +169,7 @@ def test_shutdown_ends_streams_with_a_final_event(start_server, tiny_model_dir):
 
     from conftest import read_sse
 
-    server = start_server("--model", str(tiny_model_dir), "--model-id", "tiny")
+    server = start_server("--model", str(tiny_model_dir), "--model-id", "tiny", process=True)
     with httpx.Client(base_url=server.url, timeout=60) as c:
         with c.stream("POST", "/lmsp/v1/responses", json=ask(max_output_tokens=30000, stream=True)) as r:
             lines, signalled = [], False
@@ -192,7 +193,7 @@ def test_shutdown_during_a_long_prefill_chunk_ends_the_stream_before_the_chunk(s
 
     from conftest import DEFAULT_MODEL_ID, read_sse
 
-    server = start_server("--prefill-chunk", "8192")
+    server = start_server("--prefill-chunk", "8192", process=True)
     body = {"model": DEFAULT_MODEL_ID, "input": " hello" * 3000, "max_output_tokens": 4, "stream": True}
     with httpx.Client(base_url=server.url, timeout=120) as c:
         with c.stream("POST", "/lmsp/v1/responses", json=body) as r:
@@ -216,7 +217,7 @@ def test_shutdown_marks_the_item_it_cut_incomplete_on_v1(start_server, tiny_mode
     import json
     import signal
 
-    server = start_server("--model", str(tiny_model_dir), "--model-id", "tiny")
+    server = start_server("--model", str(tiny_model_dir), "--model-id", "tiny", process=True)
     body = {**ask(max_output_tokens=30000), "stream": True}
     with httpx.stream("POST", server.url + "/v1/responses", json=body, timeout=60) as r:
         events, signalled = [], False
