@@ -8,9 +8,9 @@ import json
 import httpx
 import openai
 import pytest
-from conftest import DEFAULT_MODEL_ID
+from conftest import DEFAULT_MODEL_ID, source_of
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
-from test_tools import caller_dir, sources  # noqa: F401
+from test_tools import caller_dir  # noqa: F401
 
 from lmsp_mlx.service.stops import StopScanner
 
@@ -112,10 +112,11 @@ def test_tool_calls_and_the_turn_after_them_continue_the_live_kv(start_server, c
     messages.append(choice.message.model_dump(exclude_none=True))
     messages += [{"role": "tool", "tool_call_id": c.id, "content": json.dumps({"ok": c.function.name})}
                  for c in choice.message.tool_calls]
-    second = sdk.chat.completions.create(model="tiny", messages=messages, tools=CHAT_TOOLS, temperature=0, max_tokens=40)
+    second = source_of(server, lambda: sdk.chat.completions.create(model="tiny", messages=messages, tools=CHAT_TOOLS,
+                                                                   temperature=0, max_tokens=40))
     held = first.usage.prompt_tokens + first.usage.completion_tokens  # its end-of-turn token is prefilled next
     assert second.usage.prompt_tokens_details.cached_tokens == held
-    assert sources(server)[-1] == "visible"
+    assert server.sources == ["visible"]
     # A conversation from elsewhere: a call this server never made, replayed without its
     # reasoning (Chat has no place for it): answered, not refused.
     foreign = [messages[0], {"role": "assistant", "content": None, "tool_calls": [
@@ -179,8 +180,9 @@ def test_another_tokens_visible_transcript_does_not_open_its_hidden_state(start_
     # replays the same transcript starts from what it sent itself.
     everything = ["responses:write", "responses:read", "models:read"]
     tokens = tmp_path / "tokens.json"
-    tokens.write_text(json.dumps({"alice": everything, "mallory": everything}))
+    tokens.write_text(json.dumps({"alice": everything, "mallory": everything, "ops": ["admin"]}))
     server = start_server("--model", str(caller_dir), "--model-id", "tiny", "--tokens", str(tokens))
+    ops = {"Authorization": "Bearer ops"}  # /metrics
 
     def client(who: str) -> openai.OpenAI:
         return openai.OpenAI(base_url=server.url + "/v1", api_key=who, timeout=120, max_retries=0)
@@ -191,11 +193,11 @@ def test_another_tokens_visible_transcript_does_not_open_its_hidden_state(start_
     reply = first.choices[0].message.model_dump(exclude_none=True)
     reply.pop("reasoning_content")  # as most Chat clients replay it
     messages += [reply] + [{"role": "tool", "tool_call_id": c.id, "content": "{}"} for c in first.choices[0].message.tool_calls]
-    theirs = client("mallory").chat.completions.create(model="tiny", messages=messages, tools=CHAT_TOOLS,
-                                                       temperature=0, max_tokens=4)
-    assert sources(server)[-1] != "visible"
+    theirs = source_of(server, lambda: client("mallory").chat.completions.create(
+        model="tiny", messages=messages, tools=CHAT_TOOLS, temperature=0, max_tokens=4), headers=ops)
+    assert server.sources[-1] != "visible"
     held = first.usage.prompt_tokens + first.usage.completion_tokens  # its end-of-turn token is prefilled next
     assert theirs.usage.prompt_tokens_details.cached_tokens < held
-    mine = client("alice").chat.completions.create(model="tiny", messages=messages, tools=CHAT_TOOLS, temperature=0,
-                                                   max_tokens=4)
-    assert sources(server)[-1] == "visible" and mine.usage.prompt_tokens_details.cached_tokens == held
+    mine = source_of(server, lambda: client("alice").chat.completions.create(
+        model="tiny", messages=messages, tools=CHAT_TOOLS, temperature=0, max_tokens=4), headers=ops)
+    assert server.sources[-1] == "visible" and mine.usage.prompt_tokens_details.cached_tokens == held

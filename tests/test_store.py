@@ -8,8 +8,8 @@ import time
 
 import httpx
 import pytest
-from conftest import ask
-from test_kv_cache import assistant, cached, kv_after, scripted_dir, sources, user, visible_prompt  # noqa: F401
+from conftest import ask, source_of
+from test_kv_cache import assistant, cached, kv_after, scripted_dir, user, visible_prompt  # noqa: F401
 
 WRITER = {"Authorization": "Bearer writer-token"}
 OTHER = {"Authorization": "Bearer other-token"}
@@ -57,13 +57,14 @@ def test_another_token_cannot_continue_a_stored_response(stored):
 def test_previous_response_id_continues_the_chain_and_prefills_only_the_new_turn(start_server, scripted_dir):
     # The scripted model reasons (" the", hidden by its template in later turns), then says "OK".
     server = start_server("--model", str(scripted_dir), "--model-id", "tiny")
-    first = post(server, ask("What does the lamp say?", store=True), headers={})
-    second = post(server, ask("Why?", store=True, previous_response_id=first["id"]), headers={})
-    third = post(server, ask("And then?", store=True, previous_response_id=second["id"]), headers={})
+    first = source_of(server, lambda: post(server, ask("What does the lamp say?", store=True), headers={}))
+    second = source_of(server, lambda: post(server, ask("Why?", store=True, previous_response_id=first["id"]), headers={}))
+    third = source_of(server, lambda: post(server, ask("And then?", store=True, previous_response_id=second["id"]),
+                                           headers={}))
     assert [o["type"] for o in third["output"]] == ["reasoning", "message"]
     # Each continuation starts from everything the KV held after the response before it...
     assert cached(second) == kv_after(first) and cached(third) == kv_after(second)
-    assert sources(server) == ["cold", "visible", "visible"]
+    assert server.sources == ["cold", "visible", "visible"]
     # ...and its prompt is the stored chain as a stateless client would replay it, plus the
     # 5 hidden reasoning tokens of each earlier turn that only the live KV holds.
     history = [user("What does the lamp say?"), assistant("OK"), user("Why?"), assistant("OK"), user("And then?")]
@@ -105,8 +106,8 @@ def test_a_stored_conversation_continues_from_its_checkpoint_after_a_restart(sta
     first = post(before, ask("What does the lamp say?", store=True), headers={})
     before.stop()  # SIGTERM: the live KV is checkpointed, the store is on disk
     after = start_server(*args)
-    nxt = post(after, ask("Why?", previous_response_id=first["id"]), headers={})
-    assert sources(after) == ["disk"]
+    nxt = source_of(after, lambda: post(after, ask("Why?", previous_response_id=first["id"]), headers={}))
+    assert after.sources == ["disk"]
     assert cached(nxt) == kv_after(first)  # the hidden reasoning came back from disk too
 
 
