@@ -227,15 +227,12 @@ def _start_engine(args: argparse.Namespace) -> tuple[Engine, LoadedModel]:
     from .engine.model_store import DEFAULT_MODEL, ModelStoreError, default_models_dir, ensure_packaged_model
     from .engine.worker import Engine
 
-    model_id = args.model_id
-    if args.model is not None and model_id is None and hub.is_repo_id(args.model) and not Path(args.model).exists():
-        model_id = args.model.partition("@")[0]  # clients name it as the hub does, as with mlx_lm.server
     try:
         if args.model is None:
-            model_path = ensure_packaged_model(DEFAULT_MODEL, args.models_dir or default_models_dir())
+            model_path, named = ensure_packaged_model(DEFAULT_MODEL, args.models_dir or default_models_dir()), None
         else:
-            model_path = _model_path(args.model, args.models_dir or default_models_dir())
-        engine = Engine(model_path, ctx=args.ctx, max_queue=args.max_queue, model_id=model_id,
+            model_path, named = _model_path(args.model, args.models_dir or default_models_dir())
+        engine = Engine(model_path, ctx=args.ctx, max_queue=args.max_queue, model_id=args.model_id or named,
                         cache=_cache_settings(args), max_batch=args.max_batch or (8 if backend_name() == "cpu" else 32),
                         max_output_tokens=args.max_output_tokens)
         lm = engine.start()
@@ -244,17 +241,18 @@ def _start_engine(args: argparse.Namespace) -> tuple[Engine, LoadedModel]:
     return engine, lm
 
 
-def _model_path(spec: str, store: Path) -> Path:
-    """--model as a directory, a name in the model store, or a Hugging Face repo id (engine/hub.py), in that order."""
+def _model_path(spec: str, store: Path) -> tuple[Path, str | None]:
+    """--model as a directory, a name in the model store, or a Hugging Face repo id
+    (engine/hub.py), in that order; and the id clients use where it is not the directory's name."""
     from .engine import hub
 
     path = Path(spec).expanduser()
     if path.exists():
-        return path
+        return path, None
     if (store / spec).exists():
-        return store / spec
+        return store / spec, None
     if hub.is_repo_id(spec):
-        return hub.resolve(spec)
+        return hub.resolve(spec), spec.partition("@")[0]  # as the hub names it (and mlx_lm.server)
     raise StartError(f"model {spec!r} does not exist, neither as a path, in the model store {store}, nor as a "
                      "Hugging Face repo id (org/name)")
 
