@@ -45,6 +45,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model", help="an mlx-lm model directory, a name in the model store, or a Hugging Face repo id "
                                    "(org/name[@revision]; its cache first, then a download) (default: the embedded "
                                    "SmolLM2-135M-Instruct)")
+    p.add_argument("--chat-template", type=_template_file, metavar="FILE",
+                   help="a Jinja chat template that replaces the model's own")
+    p.add_argument("--chat-template-args", type=_json_object, default={}, metavar="JSON",
+                   help='settings every rendering of the chat template gets, e.g. \'{"enable_thinking": false}\' '
+                        "(a request's chat_template_kwargs win over them)")
+    p.add_argument("--adapter-path", type=Path, metavar="DIR",
+                   help="mlx-lm LoRA adapters (adapter_config.json, adapters.safetensors) for the model, fused "
+                        "into its weights at load; KV checkpoints are kept apart from the base model's")
     p.add_argument("--model-id", help="the id clients use for the model (default: the directory name)")
     p.add_argument("--models-dir", type=Path, help="the model store (default: models/ of the checkout, or $LMSP_MODELS_DIR)")
     p.add_argument("--api-key", default=os.environ.get("LMSP_API_KEY"),
@@ -120,6 +128,25 @@ def _duration(text: str) -> float:
     if value <= 0:
         raise argparse.ArgumentTypeError("a duration must be positive")
     return value
+
+
+def _json_object(text: str) -> dict:
+    import json
+
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError('must be a JSON object, like {"enable_thinking": false}')
+    return value
+
+
+def _template_file(text: str) -> str:
+    try:
+        return Path(text).expanduser().read_text()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise argparse.ArgumentTypeError(f"cannot read {text}: {getattr(exc, 'strerror', None) or exc}") from None
 
 
 def _origin(text: str) -> str:
@@ -223,7 +250,7 @@ def build(args: argparse.Namespace) -> Service:
 
 def _start_engine(args: argparse.Namespace) -> tuple[Engine, LoadedModel]:
     from .engine import hub
-    from .engine.loader import ModelLoadError, backend_name
+    from .engine.loader import LoadOptions, ModelLoadError, backend_name
     from .engine.model_store import DEFAULT_MODEL, ModelStoreError, default_models_dir, ensure_packaged_model
     from .engine.worker import Engine
 
@@ -234,7 +261,8 @@ def _start_engine(args: argparse.Namespace) -> tuple[Engine, LoadedModel]:
             model_path, named = _model_path(args.model, args.models_dir or default_models_dir())
         engine = Engine(model_path, ctx=args.ctx, max_queue=args.max_queue, model_id=args.model_id or named,
                         cache=_cache_settings(args), max_batch=args.max_batch or (8 if backend_name() == "cpu" else 32),
-                        max_output_tokens=args.max_output_tokens)
+                        max_output_tokens=args.max_output_tokens,
+                        options=LoadOptions(args.chat_template, args.chat_template_args, args.adapter_path))
         lm = engine.start()
     except (ModelStoreError, ModelLoadError, hub.HubError) as exc:
         raise StartError(str(exc)) from None

@@ -19,6 +19,8 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
+from .render import with_template_args
+
 log = logging.getLogger("lmsp_mlx.engine")
 
 CAPABILITIES = ("text", "tools", "structured_output")
@@ -44,6 +46,7 @@ class LoadedModel:
     fingerprint: str = ""  # what KV checkpoints are tied to: weights, config, runtime dtype
     kv_cache: str = "float"  # or "<bits>-bit, group <n>" under --kv-bits
     default_max_output_tokens: int | None = None  # --max-output-tokens: a request's limit when it sets none
+    adapter: Path | None = None  # the LoRA adapter fused into its weights (--adapter-path)
 
     @property
     def vocab_size(self) -> int | None:
@@ -61,12 +64,24 @@ class LoadedModel:
             "kv_cache": self.kv_cache,
             # what a request that sets no output limit gets (null: the rest of the context)
             "default_max_output_tokens": self.default_max_output_tokens,
+            "reasoning": "reasoning" in self.capabilities,  # reasoning.effort "none" turns it off (enable_thinking)
         }
+        if self.adapter is not None:
+            doc["adapter"] = self.adapter.name
         if self.backend == "cpu":
             from ..cpu_blas import status
 
             doc["cpu_matmul"] = status()  # "stock" or the BLAS the float32 matmuls run on
         return doc
+
+
+@dataclass(frozen=True)
+class LoadOptions:
+    """How a model directory is served besides its own files (serve.py's flags)."""
+
+    chat_template: str | None = None  # --chat-template: replaces the tokenizer's own
+    template_args: dict = field(default_factory=dict)  # --chat-template-args: passed to every rendering
+    adapter_path: Path | None = None  # --adapter-path: mlx-lm LoRA adapters, fused into the weights at load
 
 
 def backend_name() -> str:
@@ -133,8 +148,9 @@ def _to_float32(model: nn.Module) -> bool:
     return experts
 
 
-def fingerprint(path: Path, runtime: str) -> str:
-    """A hash that changes when the weights, the config or the runtime dtype change.
+def fingerprint(path: Path, runtime: str, adapter: Path | None = None) -> str:
+    """A hash that changes when the weights, the config, the adapter or the runtime dtype
+    change: KV checkpoints and sealed state of one never meet another.
 
     Hashing every byte of a 20 GB model would add minutes to each start, so each weights
     file contributes its name, size, safetensors header (names, shapes, dtypes, offsets)
@@ -142,7 +158,11 @@ def fingerprint(path: Path, runtime: str) -> str:
     h = hashlib.sha256()
     h.update((path / "config.json").read_bytes())
     h.update(runtime.encode())
-    for f in sorted(path.glob("*.safetensors")):
+    files = sorted(path.glob("*.safetensors"))
+    if adapter is not None:
+        h.update(b"adapter:" + (adapter / "adapter_config.json").read_bytes())
+        files += sorted(adapter.glob("*.safetensors"))
+    for f in files:
         size = f.stat().st_size
         h.update(f"{f.name}:{size}".encode())
         with open(f, "rb") as fh:
@@ -159,16 +179,46 @@ def _describe_quantization(config: dict) -> str:
     return f"{q.get('mode', 'affine')}-{q['bits']}bit-g{q['group_size']}"
 
 
-def load_model(path: Path, *, model_id: str | None = None, ctx: int | None = None) -> LoadedModel:
+def check_adapter_dir(path: Path) -> None:
+    if not (path / "adapter_config.json").is_file() or not (path / "adapters.safetensors").is_file():
+        raise ModelLoadError(f"adapter path {path} has no adapter_config.json and adapters.safetensors "
+                             "(mlx-lm's adapter layout, as mlx_lm.lora writes it)")
+
+
+def _fuse_adapters(model: nn.Module, dequantize: bool) -> int:
+    """Fold each LoRA (or DoRA) layer into the weight it adapts, as `mlx_lm.fuse` does: the
+    model is then plain layers, which every fast path here (compiled CPU calls, kernels) takes."""
+    from mlx.utils import tree_unflatten
+
+    fused = [(name, module.fuse(dequantize=dequantize)) for name, module in model.named_modules()
+             if hasattr(module, "fuse") and hasattr(module, "lora_a")]
+    if fused:
+        model.update_modules(tree_unflatten(fused))
+    return len(fused)
+
+
+def load_model(path: Path, *, model_id: str | None = None, ctx: int | None = None,
+               options: LoadOptions = LoadOptions()) -> LoadedModel:
     from mlx_lm.utils import load
 
     config = check_model_dir(path)
     backend = backend_name()
-    log.info("loading %s on %s", path, backend)
+    adapter = options.adapter_path
+    if adapter is not None:
+        check_adapter_dir(adapter)
+    log.info("loading %s on %s%s", path, backend, f" with the adapter {adapter}" if adapter else "")
     try:
-        model, tokenizer = load(str(path))
-    except Exception as exc:  # mlx-lm raises many kinds for a broken directory
-        raise ModelLoadError(f"cannot load {path}: {type(exc).__name__}: {exc}") from None
+        model, tokenizer = load(str(path), adapter_path=None if adapter is None else str(adapter))
+    except Exception as exc:  # mlx-lm raises many kinds for a broken directory (or an adapter of another base)
+        what = f"the adapter {adapter} on {path}" if adapter else path
+        raise ModelLoadError(f"cannot load {what}: {type(exc).__name__}: {' '.join(str(exc).split())}") from None
+    if adapter is not None:
+        log.info("adapter %s: %d LoRA layers fused into the weights", adapter.name,
+                 _fuse_adapters(model, dequantize=backend == "cpu"))
+    if options.chat_template is not None:
+        tokenizer.chat_template = options.chat_template  # the Hugging Face tokenizer's, which renders it
+        tokenizer.has_chat_template = True
+    tokenizer = with_template_args(tokenizer, options.template_args)
     stored = _describe_quantization(config)
     if backend == "cpu":
         from ..cpu_blas import status
@@ -221,5 +271,6 @@ def load_model(path: Path, *, model_id: str | None = None, ctx: int | None = Non
         eos_token_ids=frozenset(eos),
         special_token_ids=frozenset(special),
         capabilities=CAPABILITIES + (("reasoning",) if getattr(tokenizer, "has_thinking", False) else ()),
-        fingerprint=fingerprint(path, f"{backend}:{quantization}"),
+        fingerprint=fingerprint(path, f"{backend}:{quantization}", adapter),
+        adapter=adapter,
     )

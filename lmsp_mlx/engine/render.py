@@ -155,6 +155,33 @@ def _json_or_text(arguments: str):
         return arguments
 
 
+class Templated:
+    """A tokenizer whose chat template also gets `args` (--chat-template-args, a request's
+    chat_template_kwargs, enable_thinking under reasoning effort none). Every rendering of a
+    conversation (its prompt, its visible transcript, its compacted history) goes through
+    `apply_chat_template`, so wrapping the tokenizer renders all of them alike; everything
+    else is the tokenizer's own."""
+
+    def __init__(self, tokenizer, args: dict) -> None:
+        self._tokenizer = tokenizer
+        self.template_args = args
+
+    def apply_chat_template(self, *args, **kwargs):
+        return self._tokenizer.apply_chat_template(*args, **{**self.template_args, **kwargs})
+
+    def __getattr__(self, name: str):
+        return getattr(self._tokenizer, name)
+
+
+def with_template_args(tokenizer, args: dict | None):
+    """`tokenizer` rendering with `args` too; they win over the ones it already has."""
+    if not args:
+        return tokenizer
+    if isinstance(tokenizer, Templated):
+        return Templated(tokenizer._tokenizer, {**tokenizer.template_args, **args})
+    return Templated(tokenizer, dict(args))
+
+
 def apply_template(tokenizer, messages: list[dict], add_generation_prompt: bool = True, tools: list[dict] | None = None) -> str:
     template = None if getattr(tokenizer, "chat_template", None) else FALLBACK_TEMPLATE
     extra = {"tools": tools} if tools else {}

@@ -25,6 +25,7 @@ from .render import (
     reveal,
     to_chat_messages,
     turn_binding,
+    with_template_args,
 )
 from .tools import tool_specs
 
@@ -47,6 +48,7 @@ class Conversation:
     head: str = ""
     callable: tuple[str, ...] | None = None  # the tools the reply may call, by name; None: all of `tools`
     owner: str = LOCAL_OWNER  # the token that sent it (lmsp_mlx/http/auth.py): who may continue its calls by call id
+    template_args: dict = field(default_factory=dict)  # the chat template's own settings (render.Templated)
 
     def messages(self, memory: CallMemory | None, more: list[InputItem] = (), hidden: list[str] | None = None) -> list[dict]:
         return to_chat_messages(
@@ -72,6 +74,8 @@ class Conversation:
         return true or visible
 
     def _texts(self, tokenizer, memory: CallMemory | None, history: bool) -> tuple[str | None, str | None]:
+        tokenizer = with_template_args(tokenizer, self.template_args)
+
         def text(messages: list[dict]) -> str | None:
             if self.head:
                 rest = continuation_text(tokenizer, messages, history=history)
@@ -195,6 +199,7 @@ class TurnOutput:
 
     def binding(self, memory: CallMemory, ended: str) -> Binding | None:
         messages = self.conv.messages(memory, self.output_items())
+        tokenizer = with_template_args(self.tokenizer, self.conv.template_args)
         if self.conv.head:
-            return continued_binding(self.tokenizer, self.conv.head, messages, ended)
-        return turn_binding(self.tokenizer, messages, ended, tools=self.conv.template_tools())
+            return continued_binding(tokenizer, self.conv.head, messages, ended)
+        return turn_binding(tokenizer, messages, ended, tools=self.conv.template_tools())

@@ -34,7 +34,7 @@ from ..protocol.routes import Route
 from .events import Failed, Finished, GenerationEvent, TextDelta, Usage
 from .batch import Batch, chunk_size, next_prefill
 from .generate import GenerationParams
-from .loader import LoadedModel, ModelLoadError, load_model
+from .loader import LoadedModel, LoadOptions, ModelLoadError, load_model
 from .memory import HeapTrimmer
 from .sequence import Phase, Sequence
 from .turn import Conversation, TurnOutput
@@ -150,8 +150,10 @@ class CacheSettings:
 
 class Engine:
     def __init__(self, model_path: Path, *, ctx: int | None, max_queue: int, model_id: str | None = None,
-                 cache: CacheSettings = CacheSettings(), max_batch: int = 8, max_output_tokens: int | None = None):
+                 cache: CacheSettings = CacheSettings(), max_batch: int = 8, max_output_tokens: int | None = None,
+                 options: LoadOptions = LoadOptions()):
         self._path = model_path
+        self._options = options
         self._ctx = ctx
         self._model_id = model_id
         self._cache_settings = cache
@@ -259,7 +261,7 @@ class Engine:
 
     def _run(self) -> None:
         try:
-            self.model = load_model(self._path, model_id=self._model_id, ctx=self._ctx)
+            self.model = load_model(self._path, model_id=self._model_id, ctx=self._ctx, options=self._options)
             self.pool = self._make_pool(self.model)
             self.model.default_max_output_tokens = self._max_output
             self._batch = Batch(self.model)

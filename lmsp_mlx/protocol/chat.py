@@ -109,6 +109,8 @@ class ChatRequest(_Chat):
     frequency_penalty: Penalty | None = None
     seed: Seed | None = None  # the same seed, prompt and settings sample the same reply
     logit_bias: LogitBias | None = None
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None  # the template's settings, as mlx_lm.server and vLLM take them
     # The API's first form of tools, replaced by `tools` / `tool_choice`; refused, not ignored.
     functions: list[Any] | None = None
     function_call: Any = None
@@ -177,7 +179,8 @@ def to_responses(req: ChatRequest) -> tuple[ResponsesRequest, list[int]]:
         "temperature": req.temperature, "top_p": req.top_p, "response_format": _format(req.response_format),
         "presence_penalty": req.presence_penalty, "frequency_penalty": req.frequency_penalty, "seed": req.seed,
         "logit_bias": req.logit_bias,
-        "parallel_tool_calls": req.parallel_tool_calls,
+        "parallel_tool_calls": req.parallel_tool_calls, "chat_template_kwargs": req.chat_template_kwargs,
+        "reasoning": {"effort": req.reasoning_effort} if req.reasoning_effort else None,
     }
     return parse_request(body), origin
 

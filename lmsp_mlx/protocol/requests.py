@@ -290,6 +290,8 @@ class ResponsesRequest(_Strict):
     truncation: Literal["auto", "disabled"] | None = None  # auto: drop the oldest items to fit the context
     parallel_tool_calls: bool | None = None
     reasoning: ReasoningSettings | None = None
+    # Settings of the model's chat template (mlx-lm's and vLLM's name), e.g. {"enable_thinking": false}.
+    chat_template_kwargs: dict[str, Any] | None = None
     max_tool_calls: Annotated[int, Field(ge=1)] | None = None
     user: str | None = None
     prompt_cache_key: str | None = None

@@ -170,6 +170,20 @@ def response_schema(req: ResponsesRequest, route: Route) -> tuple[dict | bool | 
     return schema, f"{where}.{inner}"
 
 
+# Reasoning efforts that turn a template's thinking off (Qwen3's enable_thinking; mlx-lm's
+# tokenizer passes it under the name the template reads).
+NO_THINKING = ("none", "minimal")
+
+
+def template_args(req: ResponsesRequest) -> dict:
+    """What the request's chat template is rendered with besides the messages: its
+    chat_template_kwargs, and enable_thinking false for reasoning effort none or minimal."""
+    args = dict(req.chat_template_kwargs or {})
+    if req.reasoning is not None and req.reasoning.effort in NO_THINKING:
+        args.setdefault("enable_thinking", False)
+    return args
+
+
 def prepare(req: ResponsesRequest, route: Route, tokenizer, calls: CallMemory, reasoning: bool, head: str = "",
             offset: int = 0, owner: str = LOCAL_OWNER) -> tuple[Conversation, ReplySpec | None]:
     """The conversation to render, and the constraint on its reply (or None). `head`: the
@@ -209,7 +223,7 @@ def prepare(req: ResponsesRequest, route: Route, tokenizer, calls: CallMemory, r
     # other stays text, where no grammar stopped the model from writing it).
     callable_ = () if choice == "none" else None if len(tools) == len(offered) else tuple(t.name for t in tools)
     conv = Conversation(items, req.instructions, offered if offer_tools else [], native_tools(tokenizer), live, head,
-                        callable=callable_, owner=owner)
+                        callable=callable_, owner=owner, template_args=template_args(req))
     return conv, reply_spec(req, route, choice, tools, offered)
 
 
