@@ -42,7 +42,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m lmsp_mlx.serve", description="Serve an MLX model over LMSP 1.0.")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="port to bind (default 8000)")
-    p.add_argument("--model", help="an mlx-lm model directory, a name in the model store, or a Hugging Face repo id "
+    p.add_argument("--model", help="an mlx-lm model directory, a .gguf file (converted into the store once), a name "
+                                   "in the model store, or a Hugging Face repo id "
                                    "(org/name[@revision]; its cache first, then a download) (default: the embedded "
                                    "SmolLM2-135M-Instruct)")
     p.add_argument("--chat-template", type=_template_file, metavar="FILE",
@@ -270,11 +271,15 @@ def _start_engine(args: argparse.Namespace) -> tuple[Engine, LoadedModel]:
 
 
 def _model_path(spec: str, store: Path) -> tuple[Path, str | None]:
-    """--model as a directory, a name in the model store, or a Hugging Face repo id
-    (engine/hub.py), in that order; and the id clients use where it is not the directory's name."""
+    """--model as a GGUF file (converted into the store once), a directory, a name in the
+    model store, or a Hugging Face repo id (engine/hub.py), in that order; and the id clients use where it is not the directory's name."""
     from .engine import hub
 
+    from .engine.model_store import import_gguf
+
     path = Path(spec).expanduser()
+    if path.is_file() and path.suffix.lower() == ".gguf":
+        return import_gguf(path, store), path.stem
     if path.exists():
         return path, None
     if (store / spec).exists():

@@ -34,7 +34,7 @@ def test_missing_model_path(tmp_path):
 
 
 def test_model_path_is_a_file(tmp_path):
-    f = tmp_path / "model.gguf"
+    f = tmp_path / "model.bin"
     f.write_text("x")
     one_line_error(serve("--model", str(f)), "not a directory")
 

@@ -208,3 +208,53 @@ def build_tiny_moe_model(out: Path, arch: str, *, bits: int = 4, group_size: int
     mx.save_safetensors(str(out / "model.safetensors"), dict(tree_flatten(model.parameters())))
     (out / "config.json").write_text(json.dumps(config))
     return out
+
+
+def build_tiny_gguf(model_dir: Path, out: Path, arch: str = "llama") -> Path:
+    """`model_dir` (a tiny llama of build_tiny_model) as llama.cpp writes a float32 GGUF: its
+    tensor names, its rotary row order for attn_q/attn_k, its vocab and merges as metadata.
+    `arch`: the architecture it claims (an unknown one must be refused)."""
+    from lmsp_mlx.engine.gguf import _LAYER_NAMES, _TOP_NAMES
+
+    config = json.loads((model_dir / "config.json").read_text())
+    tok = json.loads((model_dir / "tokenizer.json").read_text())
+    special = {t["content"] for t in tok["added_tokens"] if t["special"]}
+    vocab = {**tok["model"]["vocab"], **{t["content"]: t["id"] for t in tok["added_tokens"]}}
+    tokens = [t for t, _ in sorted(vocab.items(), key=lambda kv: kv[1])]
+    merges = [m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]]
+    layer = {v: k for k, v in _LAYER_NAMES.items()}
+    top = {v: k for k, v in _TOP_NAMES.items()}
+
+    def permute(w: mx.array, heads: int) -> mx.array:  # llama.cpp's convert_hf_to_gguf.py `permute`
+        return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+    tensors = {}
+    for name, w in mx.load(str(model_dir / "model.safetensors")).items():
+        base, _, suffix = name.rpartition(".")
+        if base.startswith("model.layers."):
+            _, _, i, part = base.split(".", 3)
+            gguf = f"blk.{i}.{layer[part]}.{suffix}"
+        else:
+            gguf = f"{top[base]}.{suffix}"
+        if ".attn_q." in gguf:
+            w = permute(w, config["num_attention_heads"])
+        elif ".attn_k." in gguf:
+            w = permute(w, config["num_key_value_heads"])
+        tensors[gguf] = w
+    u32 = lambda v: mx.array(v, dtype=mx.uint32)  # noqa: E731
+    meta = {
+        "general.architecture": arch, "general.file_type": u32(0),
+        "llama.embedding_length": u32(config["hidden_size"]), "llama.block_count": u32(config["num_hidden_layers"]),
+        "llama.feed_forward_length": u32(config["intermediate_size"]),
+        "llama.attention.head_count": u32(config["num_attention_heads"]),
+        "llama.attention.head_count_kv": u32(config["num_key_value_heads"]),
+        "llama.attention.layer_norm_rms_epsilon": mx.array(config["rms_norm_eps"], dtype=mx.float32),
+        "llama.rope.freq_base": mx.array(config["rope_theta"], dtype=mx.float32),
+        "llama.context_length": u32(config["max_position_embeddings"]), "llama.vocab_size": u32(len(tokens)),
+        "tokenizer.ggml.model": "gpt2", "tokenizer.ggml.tokens": tokens, "tokenizer.ggml.merges": merges,
+        "tokenizer.ggml.token_type": mx.array([3 if t in special else 1 for t in tokens], dtype=mx.int32),
+        "tokenizer.ggml.bos_token_id": u32(vocab["<|endoftext|>"]), "tokenizer.ggml.eos_token_id": u32(vocab["<|im_end|>"]),
+        "tokenizer.chat_template": CHATML,
+    }
+    mx.save_gguf(str(out), tensors, meta)
+    return out

