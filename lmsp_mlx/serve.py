@@ -54,6 +54,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--adapter-path", type=Path, metavar="DIR",
                    help="mlx-lm LoRA adapters (adapter_config.json, adapters.safetensors) for the model, fused "
                         "into its weights at load; KV checkpoints are kept apart from the base model's")
+    p.add_argument("--memory-budget-mb", type=float, metavar="MB",
+                   help="memory a model's weights may take once loaded; a bigger one is refused before its load "
+                        "(default: the available memory less 10%%, at least 1 GiB)")
     p.add_argument("--model-id", help="the id clients use for the model (default: the directory name)")
     p.add_argument("--models-dir", type=Path, help="the model store (default: models/ of the checkout, or $LMSP_MODELS_DIR)")
     p.add_argument("--api-key", default=os.environ.get("LMSP_API_KEY"),
@@ -101,7 +104,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     kv.add_argument("--kv-group-size", type=int, choices=(32, 64, 128),
                     help="quantization group of --kv-bits (default 64)")
     args = p.parse_args(argv)
-    for name in ("ctx", "max_batch", "max_queue", "max_output_tokens", "prefill_chunk", "max_body_mb", "sse_keepalive", "kv_memory_mb", "kv_disk_space_mb",
+    for name in ("ctx", "max_batch", "max_queue", "max_output_tokens", "prefill_chunk", "max_body_mb", "sse_keepalive", "memory_budget_mb", "kv_memory_mb", "kv_disk_space_mb",
                  "kv_checkpoint_min_tokens", "kv_checkpoint_every"):
         value = getattr(args, name)
         if value is not None and value <= 0:
@@ -111,8 +114,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.kv_group_size is not None and args.kv_bits is None:
         p.error("--kv-group-size applies to a quantized KV cache: give --kv-bits too")
     args.kv_group_size = args.kv_group_size or 64
-    for name in ("sse_keepalive", "max_body_mb", "kv_memory_mb", "kv_disk_space_mb"):
-        if not math.isfinite(getattr(args, name)):
+    for name in ("sse_keepalive", "max_body_mb", "memory_budget_mb", "kv_memory_mb", "kv_disk_space_mb"):
+        if getattr(args, name) is not None and not math.isfinite(getattr(args, name)):
             p.error(f"--{name.replace('_', '-')} must be a finite number")
     return args
 
@@ -129,6 +132,10 @@ def _duration(text: str) -> float:
     if value <= 0:
         raise argparse.ArgumentTypeError("a duration must be positive")
     return value
+
+
+def _mib(value: float | None) -> int | None:
+    return None if value is None else int(value * 2**20)
 
 
 def _json_object(text: str) -> dict:
@@ -263,7 +270,8 @@ def _start_engine(args: argparse.Namespace) -> tuple[Engine, LoadedModel]:
         engine = Engine(model_path, ctx=args.ctx, max_queue=args.max_queue, model_id=args.model_id or named,
                         cache=_cache_settings(args), max_batch=args.max_batch or (8 if backend_name() == "cpu" else 32),
                         max_output_tokens=args.max_output_tokens,
-                        options=LoadOptions(args.chat_template, args.chat_template_args, args.adapter_path))
+                        options=LoadOptions(args.chat_template, args.chat_template_args, args.adapter_path,
+                                            _mib(args.memory_budget_mb)))
         lm = engine.start()
     except (ModelStoreError, ModelLoadError, hub.HubError) as exc:
         raise StartError(str(exc)) from None

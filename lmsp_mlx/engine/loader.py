@@ -82,6 +82,7 @@ class LoadOptions:
     chat_template: str | None = None  # --chat-template: replaces the tokenizer's own
     template_args: dict = field(default_factory=dict)  # --chat-template-args: passed to every rendering
     adapter_path: Path | None = None  # --adapter-path: mlx-lm LoRA adapters, fused into the weights at load
+    memory_budget: int | None = None  # --memory-budget-mb, in bytes (default: engine/footprint.py's)
 
 
 def backend_name() -> str:
@@ -179,6 +180,20 @@ def _describe_quantization(config: dict) -> str:
     return f"{q.get('mode', 'affine')}-{q['bits']}bit-g{q['group_size']}"
 
 
+def check_fits(path: Path, config: dict, backend: str, override: int | None) -> int:
+    """The model's estimated size after loading; ModelLoadError where it exceeds the budget."""
+    from .footprint import budget_bytes, estimate_bytes, gb
+
+    need = estimate_bytes(path, config, backend)
+    budget, why = budget_bytes(override)
+    if budget is not None and need > budget:
+        form = "float32 on the CPU build" if backend == "cpu" else "as stored"
+        raise ModelLoadError(f"{path.name} needs about {gb(need)} once loaded ({form}) but {gb(budget)} may be used "
+                             f"({why}); serve a smaller model or free memory")
+    log.info("%s: about %s once loaded%s", path.name, gb(need), f", of {gb(budget)} ({why})" if budget else "")
+    return need
+
+
 def check_adapter_dir(path: Path) -> None:
     if not (path / "adapter_config.json").is_file() or not (path / "adapters.safetensors").is_file():
         raise ModelLoadError(f"adapter path {path} has no adapter_config.json and adapters.safetensors "
@@ -206,6 +221,7 @@ def load_model(path: Path, *, model_id: str | None = None, ctx: int | None = Non
     adapter = options.adapter_path
     if adapter is not None:
         check_adapter_dir(adapter)
+    check_fits(path, config, backend, options.memory_budget)
     log.info("loading %s on %s%s", path, backend, f" with the adapter {adapter}" if adapter else "")
     try:
         model, tokenizer = load(str(path), adapter_path=None if adapter is None else str(adapter))

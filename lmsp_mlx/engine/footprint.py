@@ -1,0 +1,85 @@
+"""How much memory a model directory takes once loaded, known before loading it, and how
+much the machine has: a model that cannot fit is refused with both figures instead of the
+process being killed by the kernel halfway through its load.
+
+The estimate reads only the safetensors headers. On Metal and CUDA the weights stay as
+stored. On the CPU build every weight becomes float32 (engine/loader.py), so a packed
+4-bit weight takes 8 times its stored bytes and its scales and biases go; MoE experts
+(`switch_mlp`) stay quantized, as the loader keeps them.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+from pathlib import Path
+
+from ..cache.disk import CheckpointError, read_header
+
+_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "U32": 4, "I16": 2, "U16": 2, "I8": 1,
+          "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
+MARGIN = 0.10  # of the available memory, kept for the KV cache, activations and the rest of the process
+MIN_MARGIN = 1 << 30
+
+
+def estimate_bytes(path: Path, config: dict, backend: str) -> int:
+    """The model's weights after loading on `backend`, in bytes."""
+    tables = {}
+    for f in sorted(path.glob("*.safetensors")):
+        try:
+            tables.update(read_header(f)[0])
+        except (OSError, CheckpointError):
+            return sum(f.stat().st_size for f in path.glob("*.safetensors"))  # mlx-lm will say what is wrong
+    total = 0
+    group = (config.get("quantization") or {}).get("group_size", 64)
+    for name, t in tables.items():
+        stored = math.prod(t["shape"]) * _BYTES.get(t["dtype"], 4)
+        if backend != "cpu":
+            total += stored
+        elif "switch_mlp" in name or ".experts." in name:  # MoE experts stay quantized on the CPU
+            total += stored if t["dtype"] == "U32" else math.prod(t["shape"]) * 4
+        elif name.endswith((".scales", ".biases")) and name.rsplit(".", 1)[0] + ".weight" in tables:
+            continue  # folded into the float32 weight
+        elif name.endswith(".weight") and name[: -len("weight")] + "scales" in tables:
+            scales = tables[name[: -len("weight")] + "scales"]["shape"]
+            total += math.prod(scales) * group * 4  # one float32 per weight: each scale covers `group`
+        else:
+            total += math.prod(t["shape"]) * 4
+    return total
+
+
+def available_bytes() -> int | None:
+    """Memory a new load can take now: Linux's MemAvailable; elsewhere the physical
+    memory (on a Mac, Metal's working set is the limit that matters); None if unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    if sys.platform == "darwin":
+        import mlx.core as mx
+
+        if mx.metal.is_available():
+            return int(mx.metal.device_info().get("max_recommended_working_set_size", 0)) or None
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def budget_bytes(override: int | None) -> tuple[int | None, str]:
+    """What a load may take, and how that was found (for the refusal's line)."""
+    if override is not None:
+        return override, "--memory-budget-mb"
+    available = available_bytes()
+    if available is None:
+        return None, ""
+    margin = max(MIN_MARGIN, int(available * MARGIN))
+    return max(0, available - margin), f"the available {gb(available)} less a {gb(margin)} margin"
+
+
+def gb(n: int) -> str:
+    return f"{n / 1e9:.1f} GB" if n >= 1e9 else f"{n / 1e6:.1f} MB"
