@@ -361,6 +361,11 @@ def _cache_settings(args: argparse.Namespace) -> CacheSettings:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["models"]:  # `lmsp-mlx models list|pull|rm`: the console script's other command
+        from . import models
+
+        return models.main(argv[1:])
     args = parse_args(argv)
     logging.basicConfig(
         level=args.log_level.upper(),

@@ -44,7 +44,8 @@ def resolve(spec: str) -> Path:
         pass
     if constants.HF_HUB_OFFLINE:
         raise HubError(f"model {spec!r} is not in the Hugging Face cache ({constants.HF_HUB_CACHE}) and HF_HUB_OFFLINE "
-                       f"is set: fetch it first (`hf download {repo}`), or unset HF_HUB_OFFLINE")
+                       f"is set: fetch it first (`python -m lmsp_mlx.models pull {repo}`, or `hf download {repo}`), or unset "
+                       "HF_HUB_OFFLINE")
     log.info("model %s: downloading from %s", spec, constants.ENDPOINT)
     try:
         return Path(snapshot_download(repo, revision=revision or None, allow_patterns=FILES))

@@ -1,0 +1,81 @@
+"""The models this machine holds, wherever they are: the model store (converted GGUF files,
+the default model, directories put there) and the local Hugging Face cache.
+
+Only directories mlx-lm can load are listed (config.json with a model_type, safetensors
+weights); a GGUF-only or PyTorch-only repo in the hub's cache is not. Nothing here loads
+a model: the listing reads file names, headers and sizes.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+log = logging.getLogger("lmsp_mlx.models")
+
+Where = Literal["store", "hub"]
+
+
+@dataclass(frozen=True)
+class Listed:
+    id: str  # the store's directory name, or the hub's org/name
+    where: Where
+    path: Path  # the directory mlx-lm loads (for the hub: the snapshot refs/main names, else the newest)
+    size_bytes: int  # on disk (for the hub: every cached revision)
+
+
+def is_mlx_dir(path: Path) -> bool:
+    try:
+        config = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(config, dict) and "model_type" in config and any(path.glob("*.safetensors"))
+
+
+def _size(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
+def store_models(models_dir: Path) -> list[Listed]:
+    if not models_dir.is_dir():
+        return []
+    return [Listed(d.name, "store", d, _size(d)) for d in sorted(models_dir.iterdir())
+            if not d.name.startswith(".") and d.is_dir() and is_mlx_dir(d)]
+
+
+def hub_models() -> list[Listed]:
+    """The mlx-lm models in the Hugging Face cache (HF_HOME / HF_HUB_CACHE)."""
+    from huggingface_hub import scan_cache_dir
+    from huggingface_hub.errors import CacheNotFound
+
+    try:
+        cache = scan_cache_dir()
+    except CacheNotFound:
+        return []
+    found = []
+    for repo in sorted(cache.repos, key=lambda r: r.repo_id):
+        if repo.repo_type != "model":
+            continue
+        revisions = sorted(repo.revisions, key=lambda r: ("main" in r.refs, r.last_modified), reverse=True)
+        snapshot = next((r.snapshot_path for r in revisions if is_mlx_dir(r.snapshot_path)), None)
+        if snapshot is not None:
+            found.append(Listed(repo.repo_id, "hub", snapshot, repo.size_on_disk))
+    return found
+
+
+def remove(listed: Listed) -> None:
+    """Delete a model from the store, or every cached revision of a hub repo (through
+    huggingface_hub's own cache deletion, which keeps the cache's blobs consistent)."""
+    if listed.where == "store":
+        shutil.rmtree(listed.path)
+        return
+    from huggingface_hub import scan_cache_dir
+
+    cache = scan_cache_dir()
+    hashes = [rev.commit_hash for repo in cache.repos if repo.repo_id == listed.id and repo.repo_type == "model"
+              for rev in repo.revisions]
+    cache.delete_revisions(*hashes).execute()
