@@ -52,4 +52,4 @@ def test_a_model_over_the_budget_is_a_start_error_naming_both_figures(tiny_model
     with pytest.raises(serve.StartError) as err:
         serve.build(args)
     line = str(err.value)
-    assert "\n" not in line and "needs about" in line and "0.1 MB may be used (--memory-budget-mb)" in line
+    assert "\n" not in line and "needs about" in line and "0.1 MiB may be used (--memory-budget-mb)" in line

@@ -82,4 +82,4 @@ def budget_bytes(override: int | None) -> tuple[int | None, str]:
 
 
 def gb(n: int) -> str:
-    return f"{n / 1e9:.1f} GB" if n >= 1e9 else f"{n / 1e6:.1f} MB"
+    return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"  # as --memory-budget-mb counts
