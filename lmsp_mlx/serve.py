@@ -31,7 +31,8 @@ accelerate()
 # `build`, once the flags were read: --help and a wrong flag answer at once.
 if TYPE_CHECKING:
     from .engine.loader import LoadedModel
-    from .engine.worker import CacheSettings, Engine
+    from .engine.slot import CacheSettings
+    from .engine.worker import Engine
     from .store import Database
 
 log = logging.getLogger("lmsp_mlx")
@@ -42,7 +43,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m lmsp_mlx.serve", description="Serve an MLX model over LMSP 1.0.")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="port to bind (default 8000)")
-    p.add_argument("--model", help="an mlx-lm model directory, a .gguf file (converted into the store once), a name "
+    p.add_argument("--model", action="append", help="repeatable; the first is the default and loads at start, the "
+                                   "others on demand. An mlx-lm model directory, a .gguf file (converted into the store once), a name "
                                    "in the model store, or a Hugging Face repo id "
                                    "(org/name[@revision]; its cache first, then a download) (default: the embedded "
                                    "SmolLM2-135M-Instruct)")
@@ -57,7 +59,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--memory-budget-mb", type=float, metavar="MB",
                    help="memory a model's weights may take once loaded; a bigger one is refused before its load "
                         "(default: the available memory less 10%%, at least 1 GiB)")
-    p.add_argument("--model-id", help="the id clients use for the model (default: the directory name)")
+    p.add_argument("--model-id", help="the id clients use for the first --model (default: the directory name)")
+    p.add_argument("--max-loaded-models", type=int, default=1,
+                   help="models loaded at once; a request for another evicts the least recently used idle one, "
+                        "its KV sessions checkpointed first (default 1)")
+    p.add_argument("--keep-alive", type=_keep_alive, default=300.0, metavar="DURATION",
+                   help="unload a model no request used for this long: seconds, or with s/m/h/d; -1: never "
+                        "(default 5m)")
+    p.add_argument("--pin", action="store_true",
+                   help="keep the --model models loaded for the life of the server (loaded at start; never evicted "
+                        "or unloaded for idleness)")
     p.add_argument("--models-dir", type=Path, help="the model store (default: models/ of the checkout, or $LMSP_MODELS_DIR)")
     p.add_argument("--api-key", default=os.environ.get("LMSP_API_KEY"),
                    help="require 'Authorization: Bearer KEY' (or $LMSP_API_KEY); this key has every scope")
@@ -109,6 +120,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         value = getattr(args, name)
         if value is not None and value <= 0:
             p.error(f"--{name.replace('_', '-')} must be positive")
+    if args.max_loaded_models < 1:
+        p.error("--max-loaded-models must be at least 1")
+    if args.pin and len(args.model or [None]) > args.max_loaded_models:
+        p.error(f"--pin keeps {len(args.model)} models loaded but --max-loaded-models is {args.max_loaded_models}")
     if not 1 <= args.port <= 65535:
         p.error("--port must be between 1 and 65535")
     if args.kv_group_size is not None and args.kv_bits is None:
@@ -132,6 +147,12 @@ def _duration(text: str) -> float:
     if value <= 0:
         raise argparse.ArgumentTypeError("a duration must be positive")
     return value
+
+
+def _keep_alive(text: str) -> float:
+    if text.strip() in ("-1", "never", "inf"):
+        return math.inf
+    return _duration(text)
 
 
 def _mib(value: float | None) -> int | None:
@@ -258,20 +279,36 @@ def build(args: argparse.Namespace) -> Service:
 
 def _start_engine(args: argparse.Namespace) -> tuple[Engine, LoadedModel]:
     from .engine import hub
-    from .engine.loader import LoadOptions, ModelLoadError, backend_name
+    from .engine.catalog import Catalog
+    from .engine.footprint import budget_bytes
+    from .engine.loader import LoadOptions, ModelLoadError, backend_name, check_model_dir
     from .engine.model_store import DEFAULT_MODEL, ModelStoreError, default_models_dir, ensure_packaged_model
-    from .engine.worker import Engine
+    from .engine.slot import ModelSpec
+    from .engine.worker import Engine, ModelLimits
 
+    store = args.models_dir or default_models_dir()
+    budget = _mib(args.memory_budget_mb)
+    shared = LoadOptions(template_args=args.chat_template_args, memory_budget=budget)
     try:
-        if args.model is None:
-            model_path, named = ensure_packaged_model(DEFAULT_MODEL, args.models_dir or default_models_dir()), None
-        else:
-            model_path, named = _model_path(args.model, args.models_dir or default_models_dir())
-        engine = Engine(model_path, ctx=args.ctx, max_queue=args.max_queue, model_id=args.model_id or named,
+        specs = []
+        for i, spec in enumerate(args.model or [None]):
+            if spec is None:
+                path, named = ensure_packaged_model(DEFAULT_MODEL, store), None
+            else:
+                path, named = _model_path(spec, store)
+            check_model_dir(path)  # every named model is checked now, not at its first request
+            first = i == 0
+            options = LoadOptions(args.chat_template if first else None, args.chat_template_args,
+                                  args.adapter_path if first else None, budget)
+            model_id = (args.model_id if first else None) or named or path.name
+            if any(s.id == model_id for s in specs):
+                raise StartError(f"two --model flags name the id {model_id!r}")
+            specs.append(ModelSpec(model_id, path, options, pinned=args.pin))
+        limit, source = budget_bytes(budget)
+        engine = Engine(Catalog(specs, store, shared), ctx=args.ctx, max_queue=args.max_queue,
                         cache=_cache_settings(args), max_batch=args.max_batch or (8 if backend_name() == "cpu" else 32),
                         max_output_tokens=args.max_output_tokens,
-                        options=LoadOptions(args.chat_template, args.chat_template_args, args.adapter_path,
-                                            _mib(args.memory_budget_mb)))
+                        limits=ModelLimits(args.max_loaded_models, args.keep_alive, limit, source))
         lm = engine.start()
     except (ModelStoreError, ModelLoadError, hub.HubError) as exc:
         raise StartError(str(exc)) from None
@@ -347,7 +384,7 @@ def _cache_settings(args: argparse.Namespace) -> CacheSettings:
     from platformdirs import user_cache_dir
 
     from .cache.pool import Policy
-    from .engine.worker import CacheSettings
+    from .engine.slot import CacheSettings
 
     policy = Policy(
         memory_bytes=int(args.kv_memory_mb * 2**20),

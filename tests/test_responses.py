@@ -15,14 +15,14 @@ def test_service_document_lists_the_model(client):
     assert r.headers["LMSP-Version"] == "1.0"
     doc = r.json()
     assert doc["lmsp_version"] == "1.0"
-    assert doc["models"] == ["tiny"]
+    assert doc["models"][0] == "tiny"  # the default first; the model store's follow
     assert "text" in doc["capabilities"]
 
 
 def test_models_listing_reports_context_and_backend(client):
     models = client.get("/lmsp/v1/models").json()["data"]
-    assert [m["id"] for m in models] == ["tiny"]
-    model = models[0]
+    model = models[0]  # the default; the model store's models follow, not loaded
+    assert model["id"] == "tiny" and model["loaded"] is True and all(m["loaded"] is False for m in models[1:])
     assert model["context_length"] == 32768
     assert model["capabilities"] == ["text", "tools", "structured_output", "conversations"]  # no <think> tags: no "reasoning"
     assert model["backend"] in ("cpu", "metal", "cuda")

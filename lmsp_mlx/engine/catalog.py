@@ -79,3 +79,48 @@ def remove(listed: Listed) -> None:
     hashes = [rev.commit_hash for repo in cache.repos if repo.repo_id == listed.id and repo.repo_type == "model"
               for rev in repo.revisions]
     cache.delete_revisions(*hashes).execute()
+
+
+def reasons(path: Path) -> bool:
+    """Whether the model's chat template thinks (Qwen3's <think> or enable_thinking), read
+    without loading it; a loaded model's tokenizer says it exactly."""
+    texts = []
+    for name in ("chat_template.jinja", "tokenizer_config.json"):
+        try:
+            texts.append((path / name).read_text())
+        except OSError:
+            pass
+    return any("<think>" in t or "enable_thinking" in t for t in texts)
+
+
+class Catalog:
+    """Every model the server can serve, by id: the ones named on the command line (the
+    first is the default), then the model store's, then the Hugging Face cache's."""
+
+    def __init__(self, named: list, models_dir: Path, options) -> None:
+        self.named = named  # ModelSpecs of --model
+        self.models_dir = models_dir
+        self.options = options  # LoadOptions for the models found here (no adapter: that is a --model's)
+
+    @property
+    def default_id(self) -> str:
+        return self.named[0].id
+
+    def find(self, model_id: str):
+        from .slot import ModelSpec
+
+        for spec in self.named:
+            if spec.id == model_id:
+                return spec
+        found = next((m for m in self.listed() if m.id == model_id), None)
+        return ModelSpec(found.id, found.path, self.options) if found is not None else None
+
+    def listed(self) -> list[Listed]:
+        """The store's and the hub cache's models that no --model already names."""
+        named = {s.id for s in self.named} | {s.path.resolve() for s in self.named}
+        try:
+            found = store_models(self.models_dir) + hub_models()
+        except OSError as exc:
+            log.warning("the model store or the Hugging Face cache cannot be listed: %s", exc)
+            return []
+        return [m for m in found if m.id not in named and m.path.resolve() not in named]

@@ -23,7 +23,8 @@ from .render import with_template_args
 
 log = logging.getLogger("lmsp_mlx.engine")
 
-CAPABILITIES = ("text", "tools", "structured_output")
+# "conversations": previous_response_id, which the store every server has serves for every model
+CAPABILITIES = ("text", "tools", "structured_output", "conversations")
 
 
 class ModelLoadError(RuntimeError):

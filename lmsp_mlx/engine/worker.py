@@ -15,27 +15,26 @@ the resident sessions are checkpointed.
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import logging
 import math
 import queue
 import threading
 import time
 from dataclasses import dataclass, field, replace
-from pathlib import Path
 
 import mlx.core as mx
 
-from ..cache.calls import CallMemory
-from ..cache.disk import CheckpointStore
-from ..cache.pool import CacheSource, Policy, SessionPool, Start
+from ..cache.pool import CacheSource, Start
 from ..protocol.auth import LOCAL_OWNER
 from ..protocol.routes import Route
 from .events import Failed, Finished, GenerationEvent, TextDelta, Usage
-from .batch import Batch, chunk_size, next_prefill
+from .batch import chunk_size, next_prefill
+from .catalog import Catalog
 from .generate import GenerationParams
-from .loader import LoadedModel, LoadOptions, ModelLoadError, load_model
+from .loader import LoadedModel
 from .memory import HeapTrimmer
+from .models import ModelSet
+from .slot import CacheSettings, ModelSlot, ModelSpec, SlotState, close_slot, footprint, open_slot
 from .sequence import Phase, Sequence
 from .turn import Conversation, TurnOutput
 
@@ -58,6 +57,7 @@ class Job:
     params: GenerationParams
     route: Route
     loop: asyncio.AbstractEventLoop
+    slot: ModelSlot  # the model it runs on, leased by its run until it ended
     text: str = ""  # the rendered prompt: what text-prefix lookups compare
     visible: str | None = None  # the prompt as a visible-only replay renders, where `text` reveals hidden reasoning
     keep_history: str | None = None  # a compaction: checkpoint the KV of this leading part of `text`
@@ -141,28 +141,31 @@ class Memory:
     mlx_cache_bytes: int
 
 
+_WAKE = object()  # in the job queue: the worker has control work (an unload), not a job
+
+
 @dataclass(frozen=True)
-class CacheSettings:
-    policy: Policy = Policy()
-    disk_dir: Path | None = None  # None: no checkpoints on disk
-    disk_bytes: int = 4096 * 2**20
+class ModelLimits:
+    """How many models may be loaded at once, and for how long an idle one stays (engine/models.py)."""
+
+    max_loaded: int = 1  # --max-loaded-models
+    keep_alive: float = math.inf  # --keep-alive, in seconds
+    budget: int | None = None  # bytes their weights may take (None: unchecked)
+    budget_source: str = ""  # how the budget was found, for the refusal's line
 
 
 class Engine:
-    def __init__(self, model_path: Path, *, ctx: int | None, max_queue: int, model_id: str | None = None,
-                 cache: CacheSettings = CacheSettings(), max_batch: int = 8, max_output_tokens: int | None = None,
-                 options: LoadOptions = LoadOptions()):
-        self._path = model_path
-        self._options = options
+    def __init__(self, catalog: Catalog, *, ctx: int | None, max_queue: int, cache: CacheSettings = CacheSettings(),
+                 max_batch: int = 8, max_output_tokens: int | None = None, limits: ModelLimits = ModelLimits()):
+        self.catalog = catalog
         self._ctx = ctx
-        self._model_id = model_id
         self._cache_settings = cache
-        self.pool: SessionPool | None = None
-        self.calls = CallMemory()  # read by request handlers while they render (it has a lock)
+        self._limits = limits
+        self.models: ModelSet | None = None  # the loaded models: the event loop's (start)
+        self._loads = threading.Lock()  # one model loads at a time: each checked against the memory left
+        self._control: list[tuple[ModelSlot, asyncio.AbstractEventLoop, asyncio.Future]] = []  # unloads for the worker
+        self._control_lock = threading.Lock()
         self._jobs: queue.Queue[Job | None] = queue.Queue(maxsize=max_queue)
-        self._ready = threading.Event()
-        self._error: Exception | None = None
-        self.model: LoadedModel | None = None
         self.counters = Counters()
         self.max_batch = max_batch
         self._max_output = max_output_tokens  # the limit of a request that sets none (None: the context)
@@ -172,13 +175,69 @@ class Engine:
         self._thread = threading.Thread(target=self._run, name="lmsp-worker", daemon=True)
 
     def start(self) -> LoadedModel:
-        """Start the worker and wait until the model is loaded (or raise why not)."""
+        """Load the default model and the pinned ones (or raise why not), then start the worker."""
+        first = None
+        self.models = ModelSet(self.catalog.find, self._load, self._retire, max_loaded=self._limits.max_loaded,
+                               keep_alive=self._limits.keep_alive, budget=self._limits.budget,
+                               budget_source=self._limits.budget_source)
+        for spec in self.catalog.named:
+            if spec is not self.catalog.named[0] and not spec.pinned:
+                continue
+            slot = ModelSlot(spec)
+            self._open(slot)
+            slot.state = SlotState.READY
+            slot.last_used = time.monotonic()
+            self.models.adopt(slot)
+            first = first or slot.lm
         self._thread.start()
-        self._ready.wait()
-        if self._error is not None:
-            raise self._error
-        assert self.model is not None
-        return self.model
+        return first
+
+    @property
+    def default_id(self) -> str:
+        return self.catalog.default_id
+
+    def _open(self, slot: ModelSlot) -> None:
+        with self._loads:
+            if slot.size_bytes == 0:
+                slot.size_bytes = footprint(slot.spec)
+            open_slot(slot, ctx=self._ctx, cache=self._cache_settings, max_output_tokens=self._max_output)
+        log.info("batch for %s: up to %d sequences decode together (--max-batch)", slot.id, self.max_batch)
+
+    async def _load(self, slot: ModelSlot) -> None:
+        await asyncio.to_thread(self._open, slot)
+
+    async def _retire(self, slot: ModelSlot) -> None:
+        """Have the worker checkpoint the slot's sessions and drop it, once none of its jobs runs."""
+        loop = asyncio.get_running_loop()
+        done = loop.create_future()
+        with self._control_lock:
+            self._control.append((slot, loop, done))
+        try:
+            self._jobs.put_nowait(_WAKE)
+        except queue.Full:  # the worker is busy and reads the control list at its next step anyway
+            pass
+        await done
+
+    def listing(self) -> list[tuple[ModelSpec, ModelSlot | None]]:
+        """Every model it can serve (engine/catalog.py), with its slot where it is loaded or
+        loading. Reads the model store and the Hugging Face cache: call it off the event loop."""
+        slots = dict(self.models.slots)
+        found = [ModelSpec(m.id, m.path, self.catalog.options) for m in self.catalog.listed()]
+        return [(spec, slots.get(spec.id)) for spec in [*self.catalog.named, *found]]
+
+    def begin_serving(self) -> None:
+        """On the serving event loop: idle unloads (--keep-alive) count from now."""
+        self.models.begin()
+
+    async def unload(self, model_id: str) -> bool:
+        return await self.models.unload(model_id)
+
+    async def acquire(self, model_id: str) -> ModelSlot:
+        """The model's slot, loaded on demand (engine/models.py); `release` it when its run has ended."""
+        return await self.models.acquire(model_id)
+
+    def release(self, slot: ModelSlot) -> None:
+        self.models.release(slot)
 
     def _jobs_now(self) -> list[Job]:
         """The running jobs, then the waiting ones."""
@@ -216,7 +275,7 @@ class Engine:
             self._jobs.not_full.notify()
         n = len(job.params.prompt)
         job.emit(Finished("cancelled", Usage(n, 0)))
-        self._log(job, self.model, "cancelled", Usage(n, 0), 0.0, 0.0, f" prefilled=0/{n} withdrawn from the queue")
+        self._log(job, job.slot.lm, "cancelled", Usage(n, 0), 0.0, 0.0, f" prefilled=0/{n} withdrawn from the queue")
         return True
 
     @property
@@ -248,10 +307,10 @@ class Engine:
                 return False
         return len(self._active) + ahead >= self.max_batch
 
-    def submit(self, params: GenerationParams, route: Route, text: str = "", conv: Conversation | None = None,
-               visible: str | None = None, keep_history: str | None = None) -> Job:
-        job = Job(params=params, route=route, loop=asyncio.get_running_loop(), text=text, conv=conv, visible=visible,
-                  keep_history=keep_history)
+    def submit(self, slot: ModelSlot, params: GenerationParams, route: Route, text: str = "",
+               conv: Conversation | None = None, visible: str | None = None, keep_history: str | None = None) -> Job:
+        job = Job(params=params, route=route, loop=asyncio.get_running_loop(), slot=slot, text=text, conv=conv,
+                  visible=visible, keep_history=keep_history)
         try:
             self._jobs.put_nowait(job)
         except queue.Full:
@@ -260,19 +319,9 @@ class Engine:
         return job
 
     def _run(self) -> None:
-        try:
-            self.model = load_model(self._path, model_id=self._model_id, ctx=self._ctx, options=self._options)
-            self.pool = self._make_pool(self.model)
-            self.model.default_max_output_tokens = self._max_output
-            self._batch = Batch(self.model)
-        except Exception as exc:
-            self._error = exc
-            return
-        finally:
-            self._ready.set()
-        log.info("batch: up to %d sequences decode together (--max-batch)", self.max_batch)
         stopping = False
         while not (stopping and not self._active):
+            self._unload_retired()
             if not self._active and not stopping:  # idle: wait for work
                 stopping = not self._admit(self._jobs.get())
             while not stopping and len(self._active) < self.max_batch:  # joins at this step boundary
@@ -286,29 +335,29 @@ class Engine:
                 log.exception("a batch step failed: its sequences fail, the worker goes on")
                 for run in list(self._active):
                     self._fail(run, exc)
-        self.pool.close()
+        for slot in list(self.models.slots.values()):
+            if slot.pool is not None:
+                slot.pool.close()  # checkpoints the resident sessions
 
-    def _make_pool(self, lm: LoadedModel) -> SessionPool:
-        cs = self._cache_settings
-        fingerprint = lm.fingerprint
-        if cs.policy.kv_bits:  # checkpoints of quantized KV belong to their own folder
-            lm.kv_cache = f"{cs.policy.kv_bits}-bit, group {cs.policy.kv_group_size}"
-            fingerprint = hashlib.sha256(f"{fingerprint}:kv:{lm.kv_cache}".encode()).hexdigest()
-        disk = None
-        if cs.disk_dir is not None:
+    def _unload_retired(self) -> None:
+        """Unloads the event loop asked for (ModelSet), of models none of whose jobs runs or waits."""
+        with self._control_lock:
+            asked = list(self._control)
+        if not asked:
+            return
+        with self._jobs.mutex:
+            busy = {r.job.slot for r in self._active} | {j.slot for j in self._jobs.queue if isinstance(j, Job)}
+        for entry in asked:
+            slot, loop, done = entry
+            if slot in busy:
+                continue
+            close_slot(slot)
+            with self._control_lock:
+                self._control.remove(entry)
             try:
-                vocab = lm.vocab_size or 2**31
-                disk = CheckpointStore(cs.disk_dir, fingerprint, cs.disk_bytes, calls=self.calls, vocab_size=vocab)
-            except OSError as exc:
-                log.warning("kv disk %s unusable (%s): checkpoints are off", cs.disk_dir, exc)
-        pool = SessionPool(lm.model, lm.tokenizer, cs.policy, disk)
-        if cs.policy.kv_bits:  # a quantized cache the model cannot use is a start-up error, not a 500 later
-            try:
-                mx.eval(lm.model(mx.array([[0]]), cache=pool.new_cache()))
-            except ValueError as exc:
-                raise ModelLoadError(f"--kv-bits {cs.policy.kv_bits} with --kv-group-size {cs.policy.kv_group_size} "
-                                     f"does not fit {lm.id}: {exc}") from None
-        return pool
+                loop.call_soon_threadsafe(lambda d=done: d.done() or d.set_result(None))
+            except RuntimeError:  # the loop has closed
+                pass
 
     # -- one step of the batch -----------------------------------------------------------------
 
@@ -317,8 +366,13 @@ class Engine:
         for every sequence that waits for a token."""
         for run in [r for r in self._active if r.job.cancelled]:
             self._end(run, run.seq.cancel())
-        if (seq := next_prefill([r.seq for r in self._active])) is not None:
-            run = next(r for r in self._active if r.seq is seq)
+        # A batch holds one model's sequences: each model's gets its step in turn.
+        for slot in dict.fromkeys(r.job.slot for r in self._active):
+            self._step_model(slot, [r for r in self._active if r.job.slot is slot])
+
+    def _step_model(self, slot: ModelSlot, runs: list[Running]) -> None:
+        if (seq := next_prefill([r.seq for r in runs])) is not None:
+            run = next(r for r in runs if r.seq is seq)
             try:
                 seq.prefill_chunk(chunk_size(seq, run.job.params.prefill_step, len(self._active) > 1))
             except Exception as exc:
@@ -326,9 +380,9 @@ class Engine:
             else:
                 if seq.phase is Phase.DONE:
                     self._end(run, seq.result)
-        decoding = [r for r in self._active if r.seq.phase is Phase.DECODE]
+        decoding = [r for r in runs if r in self._active and r.seq.phase is Phase.DECODE]
         if decoding:
-            failed = self._batch.step([r.seq for r in decoding])
+            failed = slot.batch.step([r.seq for r in decoding])
             for run in decoding:
                 if run.seq in failed:
                     self._fail(run, failed[run.seq])
@@ -341,6 +395,8 @@ class Engine:
         """Start `job`'s sequence from the KV state the pool picks; False for the stop sign."""
         if job is None:
             return False
+        if job is _WAKE:
+            return True
         job.started = True
         try:
             run = self._begin(job)
@@ -355,7 +411,7 @@ class Engine:
         return True
 
     def _begin(self, job: Job) -> Running | None:
-        lm, pool = self.model, self.pool
+        lm, pool = job.slot.lm, job.slot.pool
         assert lm is not None and pool is not None
         if job.cancelled:
             n = len(job.params.prompt)
@@ -405,8 +461,9 @@ class Engine:
     def _end(self, run: Running, done: Finished) -> None:
         """Emit the ending, then today's bookkeeping: binding, remembered calls, the session."""
         self._active.remove(run)
-        self._batch.release(run.seq)  # its cache back in its own form, for the session pool
-        job, start, turn, lm = run.job, run.start, run.turn, self.model
+        slot = run.job.slot
+        slot.batch.release(run.seq)  # its cache back in its own form, for the session pool
+        job, start, turn, lm = run.job, run.start, run.turn, slot.lm
         extra, binding, calls = "", None, None
         try:
             if done.reason == "cancelled":
@@ -419,18 +476,18 @@ class Engine:
             return self._fail(run, exc, listed=False)
         job.emit(done)
         if done.reason != "cancelled" and job.conv is not None and run.seq.params.max_tokens > 0:  # a prewarm has no turn
-            calls = None if turn.dropped else turn.remember(self.calls)  # its sampled text is not the reply's
+            calls = None if turn.dropped else turn.remember(slot.calls)  # its sampled text is not the reply's
             ended = lm.tokenizer.decode(run.seq.sampled[-1:]) if done.reason == "stop" else ""
             try:
                 # A reply that dropped sampled text (TurnOutput.dropped) is not what the KV
                 # holds: bound to its transcript, a replay would continue hidden text.
-                binding = None if turn.dropped else turn.binding(self.calls, ended)
+                binding = None if turn.dropped else turn.binding(slot.calls, ended)
             except Exception:  # the reply is out; without a binding only the next lookup is slower
                 log.exception("the turn's visible transcript could not be rendered")
         self._log(job, lm, _STATUS[done.reason], done.usage, done.prefill_tps, done.decode_tps, extra)
-        self.pool.finish(start, run.seq.sampled, ok=True, binding=binding, calls=calls)
+        slot.pool.finish(start, run.seq.sampled, ok=True, binding=binding, calls=calls)
         if job.keep_history and done.reason != "cancelled":
-            self.pool.keep_history(start, job.keep_history)
+            slot.pool.keep_history(start, job.keep_history)
         self._count_kv()
         self._job_seconds = 0.8 * self._job_seconds + 0.2 * (time.monotonic() - run.began)
 
@@ -439,20 +496,22 @@ class Engine:
         and the batch goes on without it."""
         if listed:
             self._active.remove(run)
+        slot = run.job.slot
         try:
-            self._batch.release(run.seq)
+            slot.batch.release(run.seq)
         except Exception:  # its session is dropped below anyway
             log.exception("the failed sequence's cache could not be handed back")
         log.error("generation failed: %s: %s", type(exc).__name__, exc, exc_info=exc)
-        self.pool.finish(run.start, run.seq.sampled, ok=False, binding=None)
+        slot.pool.finish(run.start, run.seq.sampled, ok=False, binding=None)
         run.job.emit(Failed(f"generation failed: {type(exc).__name__}: {exc}"))
-        self._log(run.job, self.model, "failed", Usage(len(run.start.tokens), 0), 0.0, 0.0)
+        self._log(run.job, slot.lm, "failed", Usage(len(run.start.tokens), 0), 0.0, 0.0)
         self._count_kv()
 
     def _count_kv(self) -> None:
         """After a sequence ended: the resident KV for /metrics, and the heap's free pages back to the OS."""
         try:  # bookkeeping: a failure here must not fail the step
-            sessions = list(self.pool.sessions)
+            sessions = [s for slot in list(self.models.slots.values()) if slot.pool is not None
+                        for s in list(slot.pool.sessions)]
             self.counters.kv_sessions, self.counters.kv_bytes = len(sessions), sum(s.nbytes for s in sessions)
             self._trim_heap()
         except Exception:

@@ -37,8 +37,6 @@ def create_app(engine: Engine, settings: ServerSettings, tokens: Tokens, db: Dat
     app.config["MAX_CONTENT_LENGTH"] = settings.max_body_bytes
     # Generations can outlast Quart's default 60 s response timeout; disconnects end them instead.
     app.config["RESPONSE_TIMEOUT"] = None
-    if "conversations" not in engine.model.capabilities:  # the store is always there
-        engine.model.capabilities = (*engine.model.capabilities, "conversations")
     tasks = Tasks(TaskLog(db), IdempotencyKeys(db))
     stored = StoredResponses(db)
     tasks.recover(stored)
@@ -46,7 +44,7 @@ def create_app(engine: Engine, settings: ServerSettings, tokens: Tokens, db: Dat
                                          "running").document()):
         log.warning("%d stored response(s) were running when the service stopped: marked failed", lost)
     app.extensions[STATE] = ServerState(engine, settings, tokens, stored, tasks,
-                                             Sealer(state_key, engine.model.fingerprint))
+                                             Sealer(state_key, ""))  # each run's: Sealer.for_model
     app.register_blueprint(lmsp.bp)
     app.register_blueprint(responses.bp)
     app.register_blueprint(chat.bp)
@@ -54,6 +52,7 @@ def create_app(engine: Engine, settings: ServerSettings, tokens: Tokens, db: Dat
 
     @app.before_serving
     async def start_sweeper():
+        engine.begin_serving()
         app.extensions["lmsp_mlx_sweeper"] = asyncio.create_task(_sweep_forever(settings, stored, tasks))
 
     @app.after_serving
@@ -68,7 +67,8 @@ def create_app(engine: Engine, settings: ServerSettings, tokens: Tokens, db: Dat
 
     @app.get("/healthz")
     async def healthz():
-        return {"status": "ok", "model": engine.model.id}
+        return {"status": "ok", "model": engine.default_id,
+                "models_loaded": [m for m in list(engine.models.slots) if engine.models.loaded(m)]}
 
     @app.get("/metrics")
     @requires("admin")
@@ -79,6 +79,8 @@ def create_app(engine: Engine, settings: ServerSettings, tokens: Tokens, db: Dat
             "# TYPE lmsp_busy gauge", f"lmsp_busy {int(engine.busy)}",
             "# TYPE lmsp_batch_sequences gauge", f"lmsp_batch_sequences {engine.running}",
             "# TYPE lmsp_batch_max gauge", f"lmsp_batch_max {engine.max_batch}",
+            "# TYPE lmsp_models_loaded gauge",
+            f"lmsp_models_loaded {sum(engine.models.loaded(m) for m in list(engine.models.slots))}",
             "# TYPE lmsp_requests_total counter",
             *(f'lmsp_requests_total{{status="{k}"}} {v}' for k, v in sorted(c.requests.items())),
             "# TYPE lmsp_prompt_tokens_total counter", f"lmsp_prompt_tokens_total {c.prompt_tokens}",

@@ -12,6 +12,8 @@ from ..protocol.item_events import events_for
 from ..protocol.problems import Problem
 from ..protocol.requests import parse_request
 from ..protocol.sse import LmspEvents, SseEvent
+from ..engine.loader import CAPABILITIES
+from ..service import models
 from ..service.responses import stored_response
 from ..service.run import ResponseRun
 from ..service.tasks import LiveTask
@@ -28,13 +30,14 @@ bp = Blueprint("lmsp", __name__, url_prefix="/lmsp/v1")
 @bp.get("/")
 @requires("models:read")
 async def service_document():
-    lm = state().engine.model
+    listed = await models.all_models(state().engine)
+    capabilities = dict.fromkeys(c for d in listed for c in d.get("capabilities", CAPABILITIES))
     return {
         "object": "service",
         "lmsp_version": LMSP_VERSION,
         "service": {"name": "lmsp-mlx", "version": __version__},
-        "capabilities": list(lm.capabilities),
-        "models": [lm.id],
+        "capabilities": list(capabilities),
+        "models": [d["id"] for d in listed],
     }
 
 
@@ -52,16 +55,29 @@ async def openapi():
 @bp.get("/models")
 @requires("models:read")
 async def list_models():
-    return {"object": "list", "data": [state().engine.model.describe()]}
+    return {"object": "list", "data": await models.all_models(state().engine)}
 
 
 @bp.get("/models/<path:model_id>")
 @requires("models:read")
 async def get_model(model_id: str):
-    lm = state().engine.model
-    if model_id != lm.id:
-        raise Problem("model_not_found", f"model {model_id!r} is not served here")
-    return lm.describe()
+    if model_id.endswith(("/load", "/unload")):  # a GET of an admin route's path
+        raise Problem("method_not_allowed", f"{model_id.rpartition('/')[2]} takes POST")
+    return await models.one_model(state().engine, model_id)
+
+
+@bp.post("/models/<path:model_id>/load")
+@requires("admin")
+async def load_model(model_id: str):
+    """Load the model now (a request naming it would load it too); it then idles under --keep-alive."""
+    return await models.load(state().engine, model_id)
+
+
+@bp.post("/models/<path:model_id>/unload")
+@requires("admin")
+async def unload_model(model_id: str):
+    """Unload the model once its running requests end; its KV sessions are checkpointed first."""
+    return await models.unload(state().engine, model_id)
 
 
 @bp.post("/responses")

@@ -18,6 +18,7 @@ from ..protocol.problems import Problem
 from ..protocol.requests import json_object, parse_request
 from ..protocol.responses import ResponseObject, v1_input_item, v1_response
 from ..protocol.sse import OpenResponsesEvents, SseEvent, V1Event
+from ..service import models
 from ..service.responses import new_run, stored_response
 from ..service.run import ResponseRun
 from ..store.responses import Stored
@@ -30,23 +31,21 @@ from .sse import sse_response
 bp = Blueprint("openai", __name__, url_prefix="/v1")
 
 
-def _model_object() -> dict:
-    lm = state().engine.model
-    return {"id": lm.id, "object": "model", "created": 0, "owned_by": "lmsp-mlx"}
+def _model_object(doc: dict) -> dict:
+    """OpenAI's model object, and whether the model is loaded now."""
+    return {"id": doc["id"], "object": "model", "created": 0, "owned_by": "lmsp-mlx", "loaded": doc["loaded"]}
 
 
 @bp.get("/models")
 @requires("models:read")
 async def list_models():
-    return {"object": "list", "data": [_model_object()]}
+    return {"object": "list", "data": [_model_object(d) for d in await models.all_models(state().engine)]}
 
 
 @bp.get("/models/<path:model_id>")
 @requires("models:read")
 async def get_model(model_id: str):
-    if model_id != state().engine.model.id:
-        raise Problem("model_not_found", f"model {model_id!r} is not served here", param="model")
-    return _model_object()
+    return _model_object(await models.one_model(state().engine, model_id))
 
 
 @bp.post("/responses")
@@ -75,10 +74,13 @@ async def create_response():
 async def count_input_tokens():
     """Count a request's prompt tokens (instructions, tools, history included) without generating."""
     body = json_object(await read_json())
-    body.setdefault("model", state().engine.model.id)  # optional here, as on OpenAI
+    body.setdefault("model", state().engine.default_id)  # optional here, as on OpenAI
     body.setdefault("input", [])
     run = await new_run(state(), owner(), "v1", parse_request(body))
-    prompt = (await run.prompt())[2]
+    try:
+        prompt = (await run.prompt())[2]
+    finally:
+        run.close()
     return {"object": "response.input_tokens", "input_tokens": len(prompt.tokens)}
 
 

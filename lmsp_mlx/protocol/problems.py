@@ -29,6 +29,8 @@ STATUS = {
     "idempotency_key_reused": 422,
     "queue_full": 429,
     "internal_error": 500,
+    "model_load_failed": 503,  # the model exists but its load on demand failed; the loaded ones still serve
+    "insufficient_memory": 507,  # the model cannot fit the memory budget beside what must stay loaded
 }
 
 TITLES = {
@@ -43,6 +45,8 @@ TITLES = {
     "payload_too_large": "Payload too large",
     "queue_full": "Queue full",
     "internal_error": "Internal error",
+    "model_load_failed": "Model load failed",
+    "insufficient_memory": "Insufficient memory",
 }
 
 # OpenAI-style `error.type` for the /v1 rendering of the same problem.
@@ -51,6 +55,8 @@ _OPENAI_TYPES = {
     403: "permission_error",
     429: "rate_limit_error",
     500: "server_error",
+    503: "server_error",
+    507: "server_error",
 }
 
 

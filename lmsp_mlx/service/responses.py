@@ -36,7 +36,7 @@ async def compact(s: ServerState, who: str, route: Route, body: Any) -> dict:
     run = await start_run(s, who, route, req, compact=True)
     resp = await run.run_to_end()
     summary = "".join(p.text for item in resp.output if isinstance(item, MessageOutput) for p in item.content)
-    sealed = compaction.seal(s.sealer, req, run.compacted, summary.strip(), s.histories)
+    sealed = compaction.seal(run.sealer, req, run.compacted, summary.strip(), s.histories)
     return compaction.compacted_object(run.history + req.items(), sealed, resp.usage)
 
 

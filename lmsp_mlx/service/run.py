@@ -32,7 +32,7 @@ from .conversation import open_reasoning, prepare
 from ..protocol.item_events import ItemEvent
 from .items import ItemFolder
 from .sealing import Sealer
-from .worker_run import WorkerRun, check_model, check_room, sampling
+from .worker_run import WorkerRun, check_room, sampling
 
 log = logging.getLogger("lmsp_mlx.server")
 
@@ -79,11 +79,7 @@ class ResponseRun(WorkerRun[ItemEvent]):
                  histories: compaction.Histories, history: list[InputItem] | None = None,
                  on_end: Callable[["ResponseRun"], None] | None = None, compact: bool = False,
                  stop: tuple[str, ...] = (), owner: str = LOCAL_OWNER) -> None:
-        lm = engine.model
-        assert lm is not None
-        check_model(lm, req.model)
-        check_capabilities(req, lm.capabilities)
-        super().__init__(engine, new_id("resp"))
+        super().__init__(engine, new_id("resp"), req.model)
         self.req = req
         self.route = route
         self.prefill_step = prefill_step
@@ -92,7 +88,7 @@ class ResponseRun(WorkerRun[ItemEvent]):
         self.completed_at: int | None = None
         self.sealer = sealer
         sealed = route == "v1" and "reasoning.encrypted_content" in (req.include or [])
-        self.folder = ItemFolder(seal=(lambda raw: sealer.seal("reasoning", {"raw": raw})) if sealed else None)
+        self.folder = ItemFolder(seal=(lambda raw: self.sealer.seal("reasoning", {"raw": raw})) if sealed else None)
         self.usage: ResponseUsage | None = None
         self.incomplete_reason: str | None = None
         self.limited_by_context = False
@@ -105,21 +101,28 @@ class ResponseRun(WorkerRun[ItemEvent]):
         self.owner = owner  # the token that sent it (lmsp_mlx/http/auth.py)
 
     async def start(self) -> None:
-        """Render and measure the prompt (off the event loop), then queue the job."""
-        conv, spec, prompt, visible = await self.prompt()
-        await self._queue(conv, spec, prompt, visible)
+        """Render and measure the prompt (off the event loop), then queue the job; a run
+        refused before its job lets its model go."""
+        try:
+            conv, spec, prompt, visible = await self.prompt()
+            await self._queue(conv, spec, prompt, visible)
+        except BaseException:
+            self.close()
+            raise
 
     async def prompt(self):
         """The conversation, its reply constraint, its prompt and visible text, after any
         compaction and truncation (what `start` queues; POST /v1/responses/input_tokens
-        counts it)."""
-        lm = self.engine.model
+        counts it, then `close`s the run). The model is leased (and loaded) first."""
+        lm = await self.lease()
+        check_capabilities(self.req, lm.capabilities)
+        self.sealer = self.sealer.for_model(lm.fingerprint)
         items = self.history + self.req.items()
         open_reasoning(items, self.sealer, offset=len(self.history))  # the same item objects `prepare` sees
         if self.compact and not items:
             raise Problem("invalid_request", "there is no conversation to compact: input is empty", param="input")
         items, head = await asyncio.to_thread(compaction.expand, items, self.req, self.sealer, self.histories,
-                                              self.engine.pool.disk, lm.tokenizer, len(self.history))
+                                              self.slot.pool.disk, lm.tokenizer, len(self.history))
         ctx = lm.context_length
         conv, spec, prompt, visible = await self._render(items, head)
         # truncation "auto" (OpenAI's): the oldest items go until the prompt leaves room for
@@ -143,7 +146,7 @@ class ResponseRun(WorkerRun[ItemEvent]):
         return conv, spec, prompt, visible
 
     async def _queue(self, conv, spec, prompt, visible) -> None:
-        lm = self.engine.model
+        lm = self.lm
         ctx = lm.context_length
         constraint = await asyncio.to_thread(self._constraint, spec, prompt.text) if spec else None
         room = check_room(len(prompt.tokens), ctx, "input")
@@ -162,25 +165,25 @@ class ResponseRun(WorkerRun[ItemEvent]):
 
     async def _render(self, items: list[InputItem], head: str):
         """The conversation of `items`, its reply constraint, its prompt and visible text."""
-        lm = self.engine.model
+        lm, calls = self.lm, self.slot.calls
         full = self.req.model_copy(update={"input": items})
         # The stored conversation's items before the request's own (negative: a compaction
         # or truncation dropped some of the request's own from the front).
         offset = len(items) - len(self.req.items())
-        conv, spec = prepare(full, self.route, lm.tokenizer, self.engine.calls, "reasoning" in lm.capabilities,
+        conv, spec = prepare(full, self.route, lm.tokenizer, calls, "reasoning" in lm.capabilities,
                              head, offset, self.owner)
         if self.compact:
-            self.compacted = await asyncio.to_thread(conv.history, lm.tokenizer, self.engine.calls)
+            self.compacted = await asyncio.to_thread(conv.history, lm.tokenizer, calls)
             if not self.compacted:
                 raise Problem("unsupported_capability", "this model's chat template does not render a "
                               "conversation that can be continued, so it cannot be compacted")
             conv.items = conv.items + [MessageItem(role="user", content=compaction.SUMMARY_REQUEST)]
-        prompt, visible = await asyncio.to_thread(conv.prompt, lm.tokenizer, self.engine.calls)
+        prompt, visible = await asyncio.to_thread(conv.prompt, lm.tokenizer, calls)
         return conv, spec, prompt, visible
 
     def _constraint(self, spec: ReplySpec, prompt_text: str) -> Constraint | None:
         """The reply's grammar, compiled before any generation (a failure is a 400)."""
-        tokenizer = self.engine.model.tokenizer
+        tokenizer = self.lm.tokenizer
         fmt = OutputFormat.of(tokenizer)
         lark = full_grammar(spec, fmt, fmt.opens_in_reasoning(prompt_text), tokenizer)
         if lark is None:

@@ -67,8 +67,13 @@ def load_state_key(path: Path) -> bytes:
 
 class Sealer:
     def __init__(self, key: bytes, fingerprint: str) -> None:
+        self._key = key
         self._aead = AESGCM(key)
         self.fingerprint = fingerprint
+
+    def for_model(self, fingerprint: str) -> "Sealer":
+        """The same key for another model's state: what one model sealed, another refuses."""
+        return self if fingerprint == self.fingerprint else Sealer(self._key, fingerprint)
 
     def seal(self, purpose: str, payload: dict[str, Any]) -> str:
         plain = json.dumps({"model": self.fingerprint, **payload}, ensure_ascii=False).encode("utf-8", "surrogatepass")

@@ -21,7 +21,7 @@ from ..engine.worker import Engine
 from ..protocol.completions import CompletionRequest, completion_id
 from ..protocol.problems import Problem
 from .stops import StopScanner
-from .worker_run import WorkerRun, check_model, check_room, sampling
+from .worker_run import WorkerRun, check_room, sampling
 
 
 class TextRun(WorkerRun[str]):
@@ -29,8 +29,7 @@ class TextRun(WorkerRun[str]):
     at a stop sequence, and `finished` the worker's Finished once it is done."""
 
     def __init__(self, engine: Engine, req: CompletionRequest, prefill_step: int) -> None:
-        check_model(engine.model, req.model)
-        super().__init__(engine, completion_id())
+        super().__init__(engine, completion_id(), req.model)
         self.req = req
         self.prefill_step = prefill_step
         self.id = self.name
@@ -41,12 +40,17 @@ class TextRun(WorkerRun[str]):
         self.finished: Finished | None = None
 
     async def start(self) -> None:
-        lm = self.engine.model
-        tokens, self.prompt_text = await asyncio.to_thread(_encode, lm, self.req.one_prompt())
-        room = check_room(len(tokens), lm.context_length, "prompt")
-        params = GenerationParams(prompt=tokens, max_tokens=min(self.req.max_tokens, room),
-                                  prefill_step=self.prefill_step, stop=tuple(self.req.stops()), raw=True,
-                                  ignore_eos=self.req.ignore_eos, **sampling(self.req, lm.vocab_size))
+        """Lease (and load) the model, encode the prompt, queue the job; a refusal lets the model go."""
+        try:
+            lm = await self.lease()
+            tokens, self.prompt_text = await asyncio.to_thread(_encode, lm, self.req.one_prompt())
+            room = check_room(len(tokens), lm.context_length, "prompt")
+            params = GenerationParams(prompt=tokens, max_tokens=min(self.req.max_tokens, room),
+                                      prefill_step=self.prefill_step, stop=tuple(self.req.stops()), raw=True,
+                                      ignore_eos=self.req.ignore_eos, **sampling(self.req, lm.vocab_size))
+        except BaseException:
+            self.close()
+            raise
         self._submit(params, "completions", text=self.prompt_text)
 
     def _fold(self, event: GenerationEvent) -> list[str]:

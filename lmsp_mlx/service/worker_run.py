@@ -17,19 +17,15 @@ from typing import Any, AsyncIterator, Generic, TypeVar
 
 from ..engine.events import Failed, Finished, GenerationEvent
 from ..engine.generate import GenerationParams, Penalties
-from ..engine.loader import LoadedModel
+from ..engine.loader import LoadedModel, ModelLoadError
+from ..engine.models import ModelNotFound, NotEnoughMemory
+from ..engine.slot import ModelSlot
 from ..engine.worker import Engine, Job
 from ..protocol.problems import Problem
 from ..protocol.responses import Status
 from ..protocol.routes import Route
 
 Out = TypeVar("Out")
-
-
-def check_model(lm: LoadedModel, model: str) -> None:
-    """404 `model_not_found` for a model this server does not serve."""
-    if model != lm.id:
-        raise Problem("model_not_found", f"model {model!r} is not served here; try {lm.id!r}", param="model")
 
 
 def check_room(prompt_tokens: int, ctx: int, param: str) -> int:
@@ -64,9 +60,12 @@ def sampling(req: Any, vocab: int | None) -> dict[str, Any]:
 class WorkerRun(Generic[Out]):
     """A job on the worker and the task that folds its events into `Out`s (`_fold`)."""
 
-    def __init__(self, engine: Engine, name: str) -> None:
+    def __init__(self, engine: Engine, name: str, model: str) -> None:
         self.engine = engine
         self.name = name  # the pump task's
+        self.model = model  # the id the request names
+        self.slot: ModelSlot | None = None  # its model, leased from `lease` until `close`
+        self._lm: LoadedModel | None = None
         self.job: Job | None = None
         self.status: Status = "in_progress"
         self.error: Problem | None = None  # why a failed run failed
@@ -74,9 +73,40 @@ class WorkerRun(Generic[Out]):
         self._crash: Exception | None = None
         self._pump: asyncio.Task | None = None  # held: the loop keeps only weak references to tasks
 
+    async def lease(self) -> LoadedModel:
+        """The request's model, loaded (on demand: engine/models.py) and held until `close`;
+        404 for a model not served here, 507 where it cannot fit, 503 where its load failed."""
+        if self.slot is None:
+            try:
+                self.slot = await self.engine.acquire(self.model)
+                self._lm = self.slot.lm
+            except ModelNotFound:
+                raise Problem("model_not_found", f"model {self.model!r} is not served here; try "
+                              f"{self.engine.default_id!r} (GET /v1/models lists them all)", param="model") from None
+            except NotEnoughMemory as exc:
+                raise Problem("insufficient_memory", str(exc), param="model") from None
+            except ModelLoadError as exc:
+                raise Problem("model_load_failed", str(exc), param="model") from None
+        return self.slot.lm
+
+    @property
+    def lm(self) -> LoadedModel:
+        """The leased model (still readable after `close`: the run's own reference)."""
+        return self._lm
+
+    def close(self) -> None:
+        """Let the model go (once: after the job ended, or when the run never queued one)."""
+        if self.slot is not None:
+            slot, self.slot = self.slot, None
+            self.engine.release(slot)
+
     def _submit(self, params: GenerationParams, route: Route, **lookup) -> None:
         """Queue the job (`lookup`: what the KV lookup matches by, engine.submit) and start the pump."""
-        self.job = self.engine.submit(params, route, **lookup)
+        try:
+            self.job = self.engine.submit(self.slot, params, route, **lookup)
+        except BaseException:
+            self.close()
+            raise
         self._pump = asyncio.get_running_loop().create_task(self._fold_all(), name=self.name)
 
     def _fold(self, event: GenerationEvent) -> list[Out]:
@@ -106,6 +136,7 @@ class WorkerRun(Generic[Out]):
         except Exception as exc:  # a bug: the reader's to report (a task fails, a request 500s)
             self._crash = exc
         finally:
+            self.close()
             self._out.put_nowait(None)
 
     async def events(self) -> AsyncIterator[Out]:

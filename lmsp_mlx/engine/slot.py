@@ -1,0 +1,123 @@
+"""One servable model and, while it is loaded, everything the worker keeps for it.
+
+A `ModelSpec` is what the server can serve under an id (a directory and how to load it);
+a `ModelSlot` is a spec loaded: its weights, its own KV session pool and checkpoint folder
+(by fingerprint), its own remembered tool calls and its own batch. Nothing of one model's
+slot is ever used for another's requests: a batch holds one model's sequences.
+
+A slot is opened (`open_slot`) on whichever thread loads it, then used by the worker
+thread only; `close_slot` (on the worker) checkpoints its resident KV sessions and lets
+its arrays go.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import gc
+import hashlib
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import mlx.core as mx
+
+from ..cache.calls import CallMemory
+from ..cache.disk import CheckpointStore
+from ..cache.pool import Policy, SessionPool
+from .batch import Batch
+from .loader import LoadedModel, LoadOptions, ModelLoadError, check_model_dir, load_model
+
+log = logging.getLogger("lmsp_mlx.engine")
+
+
+@dataclass(frozen=True)
+class CacheSettings:
+    policy: Policy = Policy()
+    disk_dir: Path | None = None  # None: no checkpoints on disk
+    disk_bytes: int = 4096 * 2**20
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    id: str  # what clients send as `model`
+    path: Path
+    options: LoadOptions = LoadOptions()
+    pinned: bool = False  # never unloaded while the server runs (--pin)
+
+
+class SlotState(enum.Enum):
+    LOADING = "loading"
+    READY = "ready"
+    RETIRING = "retiring"  # being unloaded: its KV sessions are checkpointed first
+
+
+@dataclass(eq=False)
+class ModelSlot:
+    spec: ModelSpec
+    state: SlotState = SlotState.LOADING
+    lm: LoadedModel | None = None
+    pool: SessionPool | None = None
+    batch: Batch | None = None
+    calls: CallMemory = field(default_factory=CallMemory)  # read by request handlers while they render (locked)
+    size_bytes: int = 0  # its weights once loaded (engine/footprint.py), counted against the memory budget
+    leases: int = 0  # runs that hold it (event loop); it is unloaded only at none
+    last_used: float = 0.0  # time.monotonic() of its last lease's end: the least recent goes first
+    loaded: asyncio.Future | None = None  # the load's outcome, for requests that wait for it
+    idle: asyncio.TimerHandle | None = None  # --keep-alive's unload, while no run holds it
+
+    @property
+    def id(self) -> str:
+        return self.spec.id
+
+
+def footprint(spec: ModelSpec) -> int:
+    """The spec's weights once loaded, before loading them (ModelLoadError for a broken directory)."""
+    from .footprint import estimate_bytes
+    from .loader import backend_name
+
+    return estimate_bytes(spec.path, check_model_dir(spec.path), backend_name())
+
+
+def open_slot(slot: ModelSlot, *, ctx: int | None, cache: CacheSettings, max_output_tokens: int | None) -> None:
+    """Load the slot's model, its session pool and its batch (slow: any thread but the event loop's)."""
+    spec = slot.spec
+    lm = load_model(spec.path, model_id=spec.id, ctx=ctx, options=spec.options)
+    lm.default_max_output_tokens = max_output_tokens
+    slot.pool = _make_pool(lm, cache, slot.calls)
+    slot.batch = Batch(lm)
+    slot.lm = lm
+
+
+def close_slot(slot: ModelSlot) -> None:
+    """The worker's part of an unload: checkpoint the resident sessions, then let the arrays go."""
+    if slot.pool is not None:
+        try:
+            slot.pool.close()
+        except Exception:  # the model goes anyway; its sessions are lost, not the server
+            log.exception("model %s: its KV sessions could not be checkpointed", slot.id)
+    slot.lm = slot.pool = slot.batch = None
+    gc.collect()
+    mx.clear_cache()
+
+
+def _make_pool(lm: LoadedModel, cs: CacheSettings, calls: CallMemory) -> SessionPool:
+    fingerprint = lm.fingerprint
+    if cs.policy.kv_bits:  # checkpoints of quantized KV belong to their own folder
+        lm.kv_cache = f"{cs.policy.kv_bits}-bit, group {cs.policy.kv_group_size}"
+        fingerprint = hashlib.sha256(f"{fingerprint}:kv:{lm.kv_cache}".encode()).hexdigest()
+    disk = None
+    if cs.disk_dir is not None:
+        try:
+            vocab = lm.vocab_size or 2**31
+            disk = CheckpointStore(cs.disk_dir, fingerprint, cs.disk_bytes, calls=calls, vocab_size=vocab)
+        except OSError as exc:
+            log.warning("kv disk %s unusable (%s): checkpoints are off", cs.disk_dir, exc)
+    pool = SessionPool(lm.model, lm.tokenizer, cs.policy, disk)
+    if cs.policy.kv_bits:  # a quantized cache the model cannot use is a start-up error, not a 500 later
+        try:
+            mx.eval(lm.model(mx.array([[0]]), cache=pool.new_cache()))
+        except ValueError as exc:
+            raise ModelLoadError(f"--kv-bits {cs.policy.kv_bits} with --kv-group-size {cs.policy.kv_group_size} "
+                                 f"does not fit {lm.id}: {exc}") from None
+    return pool

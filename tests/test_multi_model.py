@@ -1,0 +1,144 @@
+"""Several models from one server, loaded on demand (engine/models.py): the listing, loads
+and LRU eviction with the evicted model's KV checkpointed, per-model KV reuse after a
+switch, fair turns, idle unloads, pinning, the admin routes, and the refusals (memory, a
+broken model) that fail one request and leave the loaded models serving."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import threading
+import time
+
+import httpx
+import pytest
+from conftest import ENDLESS, ask
+from tiny_model import build_tiny_model
+
+LONG = " ".join(["Tell me about the weather in Paris and in Rome."] * 8)
+
+
+@pytest.fixture(scope="module")
+def second_dir(tmp_path_factory):
+    return build_tiny_model(tmp_path_factory.mktemp("second") / "second", seed=12)
+
+
+def listing(server) -> dict[str, dict]:
+    return {m["id"]: m for m in httpx.get(server.url + "/lmsp/v1/models").json()["data"]}
+
+
+def respond(server, model: str, text: str = ENDLESS, tokens: int = 4, **fields) -> httpx.Response:
+    return httpx.post(server.url + "/lmsp/v1/responses", timeout=120,
+                      json=ask(text, model=model, max_output_tokens=tokens, **fields))
+
+
+def wait_until(check, timeout: float = 20.0) -> None:
+    """The state a background timer (--keep-alive) brings about, within `timeout`."""
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, "not within the timeout"
+        time.sleep(0.1)
+
+
+def test_a_request_for_another_model_loads_it_evicting_the_idle_one(start_server, tiny_model_dir, second_dir,
+                                                                     tmp_path):
+    server = start_server("--model", str(tiny_model_dir), "--model", str(second_dir), "--keep-alive", "-1",
+                          "--models-dir", str(tmp_path / "store"))
+    models = listing(server)
+    assert list(models)[:2] == ["tiny", "second"]
+    assert models["tiny"]["loaded"] is True and models["second"] == {
+        "id": "second", "object": "model", "reasoning": False, "loaded": False, "state": "unloaded", "pinned": False}
+    first = respond(server, "tiny", LONG)
+    assert first.status_code == 200, first.text
+    switched = respond(server, "second", LONG)
+    assert switched.status_code == 200 and switched.json()["model"] == "second", switched.text
+    models = listing(server)
+    assert models["second"]["loaded"] is True and models["tiny"]["loaded"] is False
+    log = server.log()
+    assert "model tiny: unloaded, evicted for second (KV sessions checkpointed" in log
+    # Back to the first: its session comes back from the checkpoint its eviction wrote.
+    back = respond(server, "tiny", LONG)
+    assert back.status_code == 200
+    assert back.json()["usage"]["input_tokens_details"]["cached_tokens"] >= first.json()["usage"]["input_tokens"] - 1
+    assert httpx.get(server.url + "/v1/models").json()["data"][0] == {
+        "id": "tiny", "object": "model", "created": 0, "owned_by": "lmsp-mlx", "loaded": True}
+
+
+def test_work_for_two_models_alternates_and_one_load_serves_both_requests(start_server, tiny_model_dir, second_dir):
+    server = start_server("--model", str(tiny_model_dir), "--model", str(second_dir), "--keep-alive", "-1")
+    results: dict[str, httpx.Response] = {}
+
+    def send(name: str, model: str, tokens: int) -> None:
+        results[name] = respond(server, model, tokens=tokens)
+
+    threads = [threading.Thread(target=send, args=("a1", "tiny", 60))]
+    threads[0].start()
+    time.sleep(0.3)  # a1 runs on tiny; the next ones come while it does
+    for name, model in (("b1", "second"), ("b2", "second"), ("a2", "tiny")):
+        threads.append(threading.Thread(target=send, args=(name, model, 4)))
+        threads[-1].start()
+        time.sleep(0.1)
+    for t in threads:
+        t.join(timeout=120)
+    assert {k: r.status_code for k, r in results.items()} == {"a1": 200, "b1": 200, "b2": 200, "a2": 200}
+    log = server.log()
+    assert log.count("model second: loading on demand") == 1  # two requests, one load
+    # a2 came while second's requests waited for room: it waited its turn (tiny took no new
+    # work), so second was loaded, served, and evicted again for it.
+    assert log.index("model second: loaded in") < log.index("model second: unloaded, evicted for tiny")
+
+
+def test_an_idle_model_unloads_after_keep_alive_and_a_pinned_one_stays(start_server, tiny_model_dir, second_dir):
+    server = start_server("--model", str(tiny_model_dir), "--model", str(second_dir), "--keep-alive", "1s",
+                          "--max-loaded-models", "2")
+    assert respond(server, "second").status_code == 200
+    assert listing(server)["second"]["loaded"] is True
+    wait_until(lambda: not listing(server)["second"]["loaded"])
+    wait_until(lambda: not listing(server)["tiny"]["loaded"])
+    assert "model second: unloaded, idle for 1 s (--keep-alive)" in server.log()
+    assert respond(server, "tiny").status_code == 200  # and loads again when asked
+    pinned = start_server("--model", str(tiny_model_dir), "--keep-alive", "1s", "--pin")
+    assert respond(pinned, "tiny").status_code == 200
+    time.sleep(2.0)
+    assert listing(pinned)["tiny"] | {} and listing(pinned)["tiny"]["loaded"] is True
+    assert listing(pinned)["tiny"]["pinned"] is True
+
+
+def test_the_admin_routes_load_and_unload_with_the_admin_scope(start_server, tiny_model_dir, second_dir, tmp_path):
+    tokens = tmp_path / "tokens.json"
+    tokens.write_text(json.dumps({"writer": ["responses:write", "models:read"], "root": ["admin", "models:read"]}))
+    server = start_server("--model", str(tiny_model_dir), "--model", str(second_dir), "--tokens", str(tokens),
+                          "--keep-alive", "-1")
+    writer, root = {"Authorization": "Bearer writer"}, {"Authorization": "Bearer root"}
+    refused = httpx.post(server.url + "/lmsp/v1/models/second/load", headers=writer)
+    assert refused.status_code == 403 and refused.json()["code"] == "insufficient_scope"
+    loaded = httpx.post(server.url + "/lmsp/v1/models/second/load", headers=root, timeout=60)
+    assert loaded.status_code == 200 and loaded.json()["loaded"] is True and loaded.json()["context_length"] == 32768
+    gone = httpx.post(server.url + "/lmsp/v1/models/second/unload", headers=root, timeout=60)
+    assert gone.status_code == 200 and gone.json()["loaded"] is False
+    missing = httpx.post(server.url + "/lmsp/v1/models/nope/load", headers=root)
+    assert missing.status_code == 404 and missing.json()["code"] == "model_not_found"
+    openapi = httpx.get(server.url + "/lmsp/v1/openapi.json", headers=root).json()
+    assert {"/lmsp/v1/models/{model_id}/load", "/lmsp/v1/models/{model_id}/unload"} <= set(openapi["paths"])
+
+
+def test_a_model_that_cannot_fit_or_load_fails_its_request_alone(start_server, tiny_model_dir, tmp_path):
+    store = tmp_path / "store"
+    wide = build_tiny_model(store / "wide", head_dim=64)  # larger weights than tiny's
+    broken = store / "broken"
+    shutil.copytree(tiny_model_dir, broken)
+    (broken / "model.safetensors").write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00{}      ")
+    tiny_bytes = (tiny_model_dir / "model.safetensors").stat().st_size
+    assert (wide / "model.safetensors").stat().st_size > 1.5 * tiny_bytes
+    budget = 1.3 * tiny_bytes / 2**20  # tiny fits, wide does not even alone
+    server = start_server("--model", str(tiny_model_dir), "--models-dir", str(store), "--memory-budget-mb",
+                          f"{budget:.3f}", "--keep-alive", "-1")
+    assert set(listing(server)) >= {"tiny", "wide", "broken"}
+    too_big = respond(server, "wide")
+    assert too_big.status_code == 507 and too_big.json()["code"] == "insufficient_memory", too_big.text
+    assert "wide needs about" in too_big.json()["detail"] and too_big.json()["param"] == "model"
+    failed = respond(server, "broken")
+    assert failed.status_code == 503 and failed.json()["code"] == "model_load_failed", failed.text
+    assert "broken" in failed.json()["detail"]
+    served = respond(server, "tiny")
+    assert served.status_code == 200 and listing(server)["tiny"]["loaded"] is True
