@@ -142,3 +142,24 @@ def test_a_model_that_cannot_fit_or_load_fails_its_request_alone(start_server, t
     assert "broken" in failed.json()["detail"]
     served = respond(server, "tiny")
     assert served.status_code == 200 and listing(server)["tiny"]["loaded"] is True
+
+
+def test_a_stream_starts_while_its_model_loads_with_keep_alives(start_server, tiny_model_dir, second_dir, tmp_path):
+    store = tmp_path / "store"
+    build_tiny_model(store / "wide", head_dim=64)
+    budget = 1.3 * (tiny_model_dir / "model.safetensors").stat().st_size / 2**20
+    server = start_server("--model", str(tiny_model_dir), "--model", str(second_dir), "--keep-alive", "-1",
+                          "--sse-keepalive", "0.01", "--models-dir", str(store), "--memory-budget-mb", f"{budget:.3f}")
+    with httpx.stream("POST", server.url + "/lmsp/v1/responses", timeout=120,
+                      json=ask(model="second", max_output_tokens=4, stream=True)) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        lines = list(r.iter_lines())
+    # The load (tokenizer, weights, compiled CPU paths) takes far longer than 10 ms.
+    assert lines.index(": keep-alive") < next(i for i, l in enumerate(lines) if l.startswith("event: response.created"))
+    assert any(l in ("event: response.completed", "event: response.incomplete") for l in lines), lines[-6:]
+    # A refusal after the stream began is its error event: Open Responses' error, then [DONE].
+    with httpx.stream("POST", server.url + "/v1/responses", timeout=120,
+                      json={"model": "wide", "input": "Hi", "stream": True}) as r:
+        assert r.status_code == 200
+        data = [json.loads(l[6:]) for l in r.iter_lines() if l.startswith("data: {")]
+        assert data[-1]["type"] == "error" and data[-1]["code"] == "insufficient_memory"

@@ -8,6 +8,7 @@ from typing import AsyncIterator
 from quart import Blueprint, request
 
 from .. import LMSP_VERSION, __version__
+from ..protocol.ids import new_id
 from ..protocol.item_events import events_for
 from ..protocol.problems import Problem
 from ..protocol.requests import parse_request
@@ -21,7 +22,7 @@ from ..store import TaskRecord
 from .auth import requires
 from .body import read_json
 from .context import compact_conversation, owner, start_run, state
-from .sse import sse_response
+from .sse import loading_stream, needs_load, sse_response
 
 bp = Blueprint("lmsp", __name__, url_prefix="/lmsp/v1")
 
@@ -87,6 +88,8 @@ async def create_response():
     req = parse_request(body).model_copy(update={"background": None})  # /v1's; tasks are LMSP's background
     key = request.headers.get("Idempotency-Key")
     if key is None:  # the response belongs to this connection (section 6.4)
+        if needs_load(req):
+            return loading_stream("lmsp", req, stream_lmsp, _failed)
         run = await start_run("lmsp", req)
         if not req.stream:
             return (await run.run_to_end()).model_dump(mode="json")
@@ -206,6 +209,11 @@ async def _task_object(task_id: str) -> dict:
     if response is not None and status not in ("queued", "in_progress"):
         out["response"] = response
     return out
+
+
+def _failed(problem: Problem) -> list[SseEvent]:
+    """A refusal once the stream has begun (the model loaded first): one final failed event."""
+    return [LmspEvents(new_id("resp"))("response.failed", status="failed", error=problem.document())]
 
 
 async def stream_lmsp(run: ResponseRun) -> AsyncIterator[SseEvent]:

@@ -26,7 +26,7 @@ from .auth import requires
 from .body import decode_json, read_json
 from .context import compact_conversation, owner, start_run, state
 from .problems import queue_full
-from .sse import sse_response
+from .sse import loading_stream, needs_load, sse_response
 
 bp = Blueprint("openai", __name__, url_prefix="/v1")
 
@@ -58,6 +58,8 @@ async def create_response():
     if req.background and not req.store:
         raise Problem("invalid_request", "a background response must be stored (store: true) to be polled",
                       param="store")
+    if needs_load(req) and not req.background:
+        return loading_stream("v1", req, stream_v1, _stream_error)
     run = await start_run("v1", req)
     if req.background:  # a task: GET /v1/responses/{id} polls it (or streams it again), .../cancel stops it
         task = state().tasks.start(owner(), run, _logged(stream_v1(run)), framing="v1")
@@ -244,6 +246,12 @@ def _error_message(problem: Problem) -> str:
     err = problem.openai_error()
     return json.dumps({"type": "error", "sequence_number": 0, "status": problem.status,
                        "code": err["code"], "message": err["message"], "param": err["param"], "error": err})
+
+
+def _stream_error(problem: Problem) -> list:
+    """A refusal once the stream has begun: Open Responses' error event, then [DONE]."""
+    return [OpenResponsesEvents()("error", code=problem.code, message=problem.detail, param=problem.param),
+            OpenResponsesEvents.DONE]
 
 
 async def stream_v1(run: ResponseRun):

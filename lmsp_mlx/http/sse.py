@@ -4,12 +4,17 @@ while a stream waits. The events themselves are framed in protocol/sse.py."""
 from __future__ import annotations
 
 import asyncio
-from typing import AsyncIterator
+from typing import AsyncIterator, Callable, Iterable
 
 from quart import Response
 
+from ..protocol.problems import Problem
+from ..protocol.requests import ResponsesRequest
+from ..protocol.routes import Route
 from ..protocol.sse import SseEvent, V1Event
-from .context import state
+from ..service import responses
+from ..service.run import ResponseRun
+from .context import generation_logged, owner, state
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
@@ -56,3 +61,33 @@ async def _close(it) -> None:
         await it.aclose()
     except (RuntimeError, asyncio.CancelledError):  # still running its cancelled step: it ends on its own
         pass
+
+
+Frames = Iterable[str | SseEvent | V1Event]
+
+
+def needs_load(req: ResponsesRequest) -> bool:
+    """A streamed request whose model is not loaded: its stream starts before the load."""
+    return bool(req.stream) and not state().engine.models.loaded(req.model)
+
+
+def loading_stream(route: Route, req: ResponsesRequest, stream: Callable[[ResponseRun], AsyncIterator],
+                   failed: Callable[[Problem], Frames]) -> Response:
+    """A stream that starts at once while its model loads (minutes for a big one), with
+    keep-alive comments meanwhile, so no client or proxy idle timeout cuts it; the status
+    line has gone out, so a refusal after the load (a 400, 507 or 503 otherwise) is the
+    stream's own error event (`failed`)."""
+    s, who = state(), owner()
+    generation_logged()
+
+    async def events():
+        try:
+            run = await responses.start_run(s, who, route, req)
+        except Problem as problem:
+            for frame in failed(problem):
+                yield frame
+            return
+        async for e in stream(run):
+            yield e
+
+    return sse_response(events())
