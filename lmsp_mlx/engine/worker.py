@@ -242,7 +242,7 @@ class Engine:
     def _jobs_now(self) -> list[Job]:
         """The running jobs, then the waiting ones."""
         with self._jobs.mutex:
-            waiting = [j for j in self._jobs.queue if j is not None]
+            waiting = [j for j in self._jobs.queue if isinstance(j, Job)]
         return [r.job for r in list(self._active)] + waiting
 
     def cancel_all(self) -> None:
