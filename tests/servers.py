@@ -37,13 +37,16 @@ def free_port() -> int:
 
 
 def private_args(args: list[str], where: Path) -> list[str]:
-    """`args` with the KV directory, store and state key under `where`, never the user's own."""
+    """`args` with the KV directory, store and state key under `where`, never the user's own,
+    and the model kept loaded however long the tests leave it idle."""
     if "--kv-disk-dir" not in args and "--no-kv-disk" not in args:
         args = [*args, "--kv-disk-dir", str(where / "kv")]
     if "--store" not in args:
         args = [*args, "--store", str(where / "store.sqlite3")]
     if "--state-key-file" not in args:
         args = [*args, "--state-key-file", str(where / "state.key")]
+    if "--keep-alive" not in args:  # a server a module shares idles between its tests: it must not unload
+        args = [*args, "--keep-alive", "-1"]
     return args
 
 
