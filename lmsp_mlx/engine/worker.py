@@ -1,10 +1,13 @@
-"""The one worker thread that owns the model.
+"""The one worker thread that owns the loaded models.
 
-MLX arrays, the model and the KV sessions live on this thread only: it loads the model,
-then serves up to `max_batch` jobs at once, each a `Sequence` on its own KV session, picked
-by the session pool's lookup order (lmsp_mlx/cache). The loop runs in steps: jobs waiting
-join at a step boundary, the clients that left are dropped, one prompt chunk runs, then one
-decode step for every sequence that waits for a token (engine/batch.py). A job that
+The models' KV sessions live on this thread only. Each loaded model is a `ModelSlot`
+(engine/slot.py), loaded at start or on demand off this thread and unloaded by it, once
+none of its jobs runs (engine/models.py decides which). The worker serves up to
+`max_batch` jobs at once, each a `Sequence` on its own KV session of its model's pool,
+picked by the pool's lookup order (lmsp_mlx/cache). The loop runs in steps: jobs waiting
+join at a step boundary, the clients that left are dropped, and each model's batch in turn
+runs one prompt chunk, then one decode step for every sequence that waits for a token
+(engine/batch.py); a batch never mixes models. A job that
 arrives while the batch is full waits in the bounded queue; beyond it, `QueueFull`.
 
 Requests talk to it through `Job`s: the queue in, an asyncio queue of `GenerationEvent`s
