@@ -163,3 +163,30 @@ def test_a_stream_starts_while_its_model_loads_with_keep_alives(start_server, ti
         assert r.status_code == 200
         data = [json.loads(l[6:]) for l in r.iter_lines() if l.startswith("data: {")]
         assert data[-1]["type"] == "error" and data[-1]["code"] == "insufficient_memory"
+
+
+@pytest.mark.parametrize("flags, needle", [
+    (["--keep-alive", "soon"], "is not a duration"),
+    (["--max-loaded-models", "0"], "--max-loaded-models must be at least 1"),
+    (["--model", "a", "--model", "b", "--pin"], "--pin keeps 2 models loaded but --max-loaded-models is 1"),
+])
+def test_bad_model_flags_are_one_line_errors(flags, needle, capsys):
+    from lmsp_mlx import serve
+
+    with pytest.raises(SystemExit) as exit:
+        serve.parse_args(flags)
+    assert exit.value.code == 2 and needle in capsys.readouterr().err
+
+
+def test_a_store_model_removed_while_loaded_serves_until_unloaded(start_server, tiny_model_dir, tmp_path):
+    store = tmp_path / "store"
+    shutil.copytree(tiny_model_dir, store / "copy")
+    server = start_server("--model", str(tiny_model_dir), "--models-dir", str(store), "--max-loaded-models", "2")
+    assert respond(server, "copy").status_code == 200
+    shutil.rmtree(store / "copy")
+    assert listing(server)["copy"]["loaded"] is True
+    assert respond(server, "copy").status_code == 200
+    root = httpx.post(server.url + "/lmsp/v1/models/copy/unload", timeout=60)
+    assert root.status_code == 200 and root.json()["loaded"] is False
+    assert "copy" not in listing(server)
+    assert respond(server, "copy").status_code == 404

@@ -226,7 +226,9 @@ class Engine:
         loading. Reads the model store and the Hugging Face cache: call it off the event loop."""
         slots = dict(self.models.slots)
         found = [ModelSpec(m.id, m.path, self.catalog.options) for m in self.catalog.listed()]
-        return [(spec, slots.get(spec.id)) for spec in [*self.catalog.named, *found]]
+        specs = [*self.catalog.named, *found]
+        gone = [s.spec for s in slots.values() if s.spec not in specs]  # removed from disk: serves until unloaded
+        return [(spec, slots.get(spec.id)) for spec in specs + gone]
 
     def begin_serving(self) -> None:
         """On the serving event loop: idle unloads (--keep-alive) count from now."""

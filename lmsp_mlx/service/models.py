@@ -52,4 +52,7 @@ async def unload(engine: Engine, model_id: str) -> dict[str, Any]:
     if doc["pinned"]:
         raise Problem("invalid_request", f"model {model_id!r} is pinned (--pin): it stays loaded", param="model_id")
     await engine.unload(model_id)
-    return await one_model(engine, model_id)
+    try:
+        return await one_model(engine, model_id)
+    except Problem:  # its files were removed while it was loaded: it is gone now
+        return {"id": model_id, "object": "model", "loaded": False, "state": "unloaded", "pinned": False}
