@@ -14,7 +14,9 @@ from ..protocol.routes import Route
 from ..protocol.sse import SseEvent, V1Event
 from ..service import responses
 from ..service.run import ResponseRun
+from ..engine.worker import QueueFull
 from .context import generation_logged, owner, state
+from .problems import queue_full
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
@@ -82,7 +84,10 @@ def loading_stream(route: Route, req: ResponsesRequest, stream: Callable[[Respon
 
     async def events():
         try:
-            run = await responses.start_run(s, who, route, req)
+            try:
+                run = await responses.start_run(s, who, route, req)
+            except QueueFull as exc:
+                raise queue_full(exc) from None
         except Problem as problem:
             for frame in failed(problem):
                 yield frame
