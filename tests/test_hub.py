@@ -48,3 +48,9 @@ def test_a_revision_names_its_ref(start_server, tiny_model_dir, tmp_path):
 def test_an_uncached_repo_id_offline_is_one_line_naming_it_and_how_to_fetch_it(tmp_path):
     done = serve("--model", "nobody/nothing", env={"HF_HOME": str(tmp_path / "hf"), "HF_HUB_OFFLINE": "1"})
     one_line_error(done, "'nobody/nothing'", "HF_HUB_OFFLINE", "hf download nobody/nothing")
+
+
+def test_a_revision_the_cache_lacks_is_one_line_naming_it(tiny_model_dir, tmp_path):
+    hub_cache(tmp_path / "hf", "tiny-org/tiny-model", tiny_model_dir)
+    done = serve("--model", "tiny-org/tiny-model@nope", env={"HF_HOME": str(tmp_path / "hf"), "HF_HUB_OFFLINE": "1"})
+    one_line_error(done, "'tiny-org/tiny-model@nope'", "models pull tiny-org/tiny-model@nope", "--revision nope")

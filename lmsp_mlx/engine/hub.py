@@ -44,7 +44,8 @@ def resolve(spec: str) -> Path:
         pass
     if constants.HF_HUB_OFFLINE:
         raise HubError(f"model {spec!r} is not in the Hugging Face cache ({constants.HF_HUB_CACHE}) and HF_HUB_OFFLINE "
-                       f"is set: fetch it first (`python -m lmsp_mlx.models pull {repo}`, or `hf download {repo}`), or unset "
+                       f"is set: fetch it first (`python -m lmsp_mlx.models pull {spec}`, or `hf download {repo}"
+                       f"{' --revision ' + revision if revision else ''}`), or unset "
                        "HF_HUB_OFFLINE")
     log.info("model %s: downloading from %s", spec, constants.ENDPOINT)
     try:
