@@ -78,25 +78,30 @@ class ModelSet:
         spec = held.spec if held is not None else await asyncio.to_thread(self._find, model_id)  # may list the disk
         if spec is None:
             raise ModelNotFound(model_id)
+        # `waiting`: this request came while its model was not loaded, so it is in _wanting
+        # until it leases: the load is for it, its slot is not evicted before it leases, and
+        # it leases ahead of the other model's waiters (without that, two models' waiters
+        # would evict each other's fresh loads forever). One that came while its model was
+        # loaded but owed its turn waits without wanting anything.
         waiting = False
         try:
             while True:
                 changed = self._changed()  # taken before looking: a change after the look still wakes it
                 slot = self.slots.get(model_id)
-                if slot is not None and slot.state is SlotState.READY and not self._owes_turn(slot):
+                if slot is not None and slot.state is SlotState.READY and (waiting or not self._owes_turn(slot)):
                     slot.leases += 1
                     if slot.idle is not None:
                         slot.idle.cancel()
                         slot.idle = None
                     return slot
+                if not waiting and (slot is None or slot.state is SlotState.LOADING):
+                    waiting = True
+                    self._wanting.append(model_id)
                 if slot is not None and slot.state is SlotState.LOADING:
                     await asyncio.shield(slot.loaded)  # its load's error is this request's too
                     continue
                 if slot is None and await self._make_room(spec):
                     continue
-                if not waiting and slot is None:
-                    waiting = True
-                    self._wanting.append(model_id)
                 await asyncio.shield(changed)  # a waiter that leaves must not cancel it for the others
         finally:
             if waiting:
@@ -149,8 +154,8 @@ class ModelSet:
                                       f"({', '.join(s.id for s in pinned)}): --max-loaded-models {self.max_loaded}"
                                       + (f", {gb(self.budget)} of memory" if self.budget is not None else ""))
             while not self._fits(need):
-                idle = [s for s in self.slots.values()
-                        if s.state is SlotState.READY and s.leases == 0 and not s.spec.pinned]
+                idle = [s for s in self.slots.values() if s.state is SlotState.READY and s.leases == 0
+                        and not s.spec.pinned and s.id not in self._wanting]  # not before its waiters lease
                 if not idle:
                     return False
                 await self._unload(min(idle, key=lambda s: s.last_used), f"evicted for {spec.id}")
@@ -189,7 +194,8 @@ class ModelSet:
 
     async def _idle(self, slot: ModelSlot) -> None:
         async with self._lock:
-            if self.slots.get(slot.id) is slot and slot.leases == 0 and slot.state is SlotState.READY:
+            if (self.slots.get(slot.id) is slot and slot.leases == 0 and slot.state is SlotState.READY
+                    and slot.id not in self._wanting):
                 await self._unload(slot, f"idle for {self.keep_alive:g} s (--keep-alive)")
 
     async def _unload(self, slot: ModelSlot, why: str) -> None:
