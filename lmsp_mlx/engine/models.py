@@ -10,8 +10,10 @@ is not loaded) and `release` it when their run has ended. Its invariants:
 - the least recently used idle, unpinned slot is the one evicted for a load; a slot idle
   for `keep_alive` seconds is unloaded on its own;
 - fairness: while a request waits for room another model holds, that model takes no new
-  leases; once its runs end it is evicted, and the waiting model's turn comes. With work
-  for two models and room for one, they alternate instead of one starving the other;
+  leases; once its runs end it is evicted, and the waiting model's turn comes. The requests
+  that came while their model was not loaded lease it first once it is, and it is not
+  evicted before they do. With work for two models and room for one, they alternate
+  instead of one starving the other (or both evicting each other's loads);
 - two requests for one unloaded model load it once: the second waits for the first's load.
 """
 
