@@ -190,3 +190,17 @@ def test_a_store_model_removed_while_loaded_serves_until_unloaded(start_server, 
     assert root.status_code == 200 and root.json()["loaded"] is False
     assert "copy" not in listing(server)
     assert respond(server, "copy").status_code == 404
+
+
+def test_a_chat_stream_starts_while_its_model_loads(start_server, tiny_model_dir, second_dir):
+    server = start_server("--model", str(tiny_model_dir), "--model", str(second_dir), "--keep-alive", "-1",
+                          "--sse-keepalive", "0.01")
+    body = {"model": "second", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4, "stream": True}
+    with httpx.stream("POST", server.url + "/v1/chat/completions", json=body, timeout=120) as r:
+        assert r.status_code == 200
+        lines = [l for l in r.iter_lines() if l]
+    assert lines[0] == ": keep-alive" and lines[-1] == "data: [DONE]"
+    chunks = [json.loads(l[6:]) for l in lines if l.startswith("data: {")]
+    assert chunks[0]["model"] == "second" and chunks[-1]["choices"][0]["finish_reason"] == "length"
+    missing = httpx.post(server.url + "/v1/chat/completions", json={**body, "model": "nope"})
+    assert missing.status_code == 404  # an unknown model is no load: still its status line

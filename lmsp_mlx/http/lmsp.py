@@ -88,7 +88,7 @@ async def create_response():
     req = parse_request(body).model_copy(update={"background": None})  # /v1's; tasks are LMSP's background
     key = request.headers.get("Idempotency-Key")
     if key is None:  # the response belongs to this connection (section 6.4)
-        if needs_load(req):
+        if await needs_load(req):
             return loading_stream("lmsp", req, stream_lmsp, _failed)
         run = await start_run("lmsp", req)
         if not req.stream:

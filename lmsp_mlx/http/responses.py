@@ -58,7 +58,7 @@ async def create_response():
     if req.background and not req.store:
         raise Problem("invalid_request", "a background response must be stored (store: true) to be polled",
                       param="store")
-    if needs_load(req) and not req.background:
+    if await needs_load(req) and not req.background:
         return loading_stream("v1", req, stream_v1, _stream_error)
     run = await start_run("v1", req)
     if req.background:  # a task: GET /v1/responses/{id} polls it (or streams it again), .../cancel stops it

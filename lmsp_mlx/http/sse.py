@@ -68,13 +68,18 @@ async def _close(it) -> None:
 Frames = Iterable[str | SseEvent | V1Event]
 
 
-def needs_load(req: ResponsesRequest) -> bool:
-    """A streamed request whose model is not loaded: its stream starts before the load."""
-    return bool(req.stream) and not state().engine.models.loaded(req.model)
+async def needs_load(req: ResponsesRequest, stream: bool | None = None) -> bool:
+    """A streamed request (`stream`: where its own request says so, as Chat's does) for a
+    model this server has but not loaded: its stream starts before the load. (An unknown
+    model is still its 404.)"""
+    engine = state().engine
+    if not (req.stream if stream is None else stream) or engine.models.loaded(req.model):
+        return False
+    return await asyncio.to_thread(engine.catalog.find, req.model) is not None
 
 
 def loading_stream(route: Route, req: ResponsesRequest, stream: Callable[[ResponseRun], AsyncIterator],
-                   failed: Callable[[Problem], Frames]) -> Response:
+                   failed: Callable[[Problem], Frames], stop: tuple[str, ...] = ()) -> Response:
     """A stream that starts at once while its model loads (minutes for a big one), with
     keep-alive comments meanwhile, so no client or proxy idle timeout cuts it; the status
     line has gone out, so a refusal after the load (a 400, 507 or 503 otherwise) is the
@@ -85,7 +90,7 @@ def loading_stream(route: Route, req: ResponsesRequest, stream: Callable[[Respon
     async def events():
         try:
             try:
-                run = await responses.start_run(s, who, route, req)
+                run = await responses.start_run(s, who, route, req, stop=stop)
             except QueueFull as exc:
                 raise queue_full(exc) from None
         except Problem as problem:
