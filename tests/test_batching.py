@@ -164,7 +164,8 @@ def text_of(response: dict) -> str:
 
 def test_concurrent_requests_get_what_they_get_alone_and_decode_together(start_server, tiny_model_dir):
     server = start_server("--model", str(tiny_model_dir), "--model-id", "tiny", "--max-batch", "4", "--no-kv-disk")
-    bodies = [ask(f"{ENDLESS} {i}" * (1 + i), max_output_tokens=24 + 4 * i) for i in range(6)]
+    # Long enough that four decode together for a while: the poll below must see them at once.
+    bodies = [ask(f"{ENDLESS} {i}" * (1 + i), max_output_tokens=240 + 4 * i) for i in range(6)]
     first = [reply(server.url, b) for b in bodies]  # one at a time
     got: dict[int, dict] = {}
     threads = [threading.Thread(target=lambda i=i: got.__setitem__(i, reply(server.url, bodies[i]))) for i in range(6)]
