@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import socket
+import time
 
 import pytest
 from conftest import ask
@@ -178,6 +180,34 @@ def test_unsupported_lmsp_version(client):
     assert client.post("/lmsp/v1/responses", json=ask(), headers={"LMSP-Version": "1.0"}).status_code == 200
     # Not an LMSP route: liveness answers whatever version a prober sends.
     assert client.get("/healthz", headers={"LMSP-Version": "2.0"}).status_code == 200
+
+
+def test_a_refusal_from_the_headers_keeps_the_connection(tiny_server):
+    # The client sends its headers, then its body a moment later, as httpcore does in two
+    # writes. The refusal (made from the headers alone) must wait for that body: a response
+    # that ends first makes Hypercorn close the connection, and the next request on it is lost.
+    body = json.dumps(ask()).encode()
+    head = (f"POST /lmsp/v1/responses HTTP/1.1\r\nHost: x\r\nLMSP-Version: 2.0\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n").encode()
+    host, port = tiny_server.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=60) as sock:
+        sock.sendall(head)
+        time.sleep(0.3)
+        sock.sendall(body)
+        replies = sock.makefile("rb")
+        assert b" 400 " in replies.readline()
+        _skip_reply(replies)
+        sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert b" 200 " in replies.readline()
+
+
+def _skip_reply(replies) -> None:
+    length = 0
+    while (line := replies.readline()) not in (b"\r\n", b""):
+        name, _, value = line.decode().partition(":")
+        if name.lower() == "content-length":
+            length = int(value)
+    replies.read(length)
 
 
 @pytest.mark.parametrize(

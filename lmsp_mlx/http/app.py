@@ -106,6 +106,13 @@ def create_app(engine: Engine, settings: ServerSettings, tokens: Tokens, db: Dat
         g.arrived = time.perf_counter()
         if (answer := origins.preflight(request.method, request.headers)) is not None:
             return answer  # before auth: a browser's preflight carries no token
+        try:
+            check_request()
+        except Problem:
+            await drain_body()
+            raise
+
+    def check_request() -> None:
         origins.check(request.headers.get("Origin"))
         authorize(tokens, app.view_functions.get(request.endpoint), request.method, request.path, request.headers)
         # Repeated headers (or one with a comma list) must all say 1.0: a proxy that added a
@@ -117,6 +124,16 @@ def create_app(engine: Engine, settings: ServerSettings, tokens: Tokens, db: Dat
                 "unsupported_version",
                 f"LMSP-Version {wrong[0]!r} is not supported; this service speaks {LMSP_VERSION}",
             )
+
+    async def drain_body() -> None:
+        # Hypercorn closes a keep-alive connection whose response ended before the request's
+        # body arrived, and a client that sent its next request on it in the meantime gets
+        # "disconnected without a response" (a CI run caught it). A refusal made from the
+        # headers alone therefore waits for the body, up to the size limit, before it answers.
+        try:
+            await request.get_data(cache=False)
+        except HTTPException:
+            pass  # too large: that connection closes either way, and the refusal still goes
 
     @app.before_websocket
     async def check_websocket_auth():
