@@ -60,6 +60,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="memory a model's weights may take once loaded; a bigger one is refused before its load "
                         "(default: the available memory less 10%%, at least 1 GiB)")
     p.add_argument("--model-id", help="the id clients use for the first --model (default: the directory name)")
+    p.add_argument("--model-alias", action="append", type=_alias, default=[], metavar="PATTERN=MODEL",
+                   help="repeatable: requests for a model whose name matches the glob PATTERN get MODEL, e.g. "
+                        "'claude-*=Qwen3-4B-4bit' for the names Claude Code sends (the first match wins)")
+    p.add_argument("--keep-billing-header", action="store_true",
+                   help="render Claude Code's per-request 'x-anthropic-billing-header:' system line into the prompt, "
+                        "as other servers do (it defeats KV reuse: for measuring that)")
     p.add_argument("--max-loaded-models", type=int, default=1,
                    help="models loaded at once; a request for another evicts the least recently used idle one, "
                         "its KV sessions checkpointed first (default 1)")
@@ -153,6 +159,13 @@ def _keep_alive(text: str) -> float:
     if text.strip() in ("-1", "never", "inf"):
         return math.inf
     return _duration(text)
+
+
+def _alias(text: str) -> tuple[str, str]:
+    pattern, eq, target = text.partition("=")
+    if not eq or not pattern.strip() or not target.strip():
+        raise argparse.ArgumentTypeError(f"{text!r} is not PATTERN=MODEL (like 'claude-*=SmolLM2-135M-Instruct')")
+    return pattern.strip(), target.strip()
 
 
 def _mib(value: float | None) -> int | None:
@@ -270,7 +283,8 @@ def build(args: argparse.Namespace) -> Service:
     prefill = args.prefill_chunk or (256 if lm.backend == "cpu" else 2048)
     settings = ServerSettings(prefill_step=prefill, max_body_bytes=int(args.max_body_mb * 1024 * 1024),
                               store_retention=args.store_retention, event_retention=args.event_retention,
-                              sse_keepalive=args.sse_keepalive, cors_origins=tuple(args.cors_origin))
+                              sse_keepalive=args.sse_keepalive, cors_origins=tuple(args.cors_origin),
+                              keep_billing_header=args.keep_billing_header)
     log.info("store: %s", db.path)
     from .http.app import create_app  # after the model: a start error costs no Quart import
 
@@ -305,7 +319,12 @@ def _start_engine(args: argparse.Namespace) -> tuple[Engine, LoadedModel]:
                 raise StartError(f"two --model flags name the id {model_id!r}")
             specs.append(ModelSpec(model_id, path, options, pinned=args.pin))
         limit, source = budget_bytes(budget)
-        engine = Engine(Catalog(specs, store, shared), ctx=args.ctx, max_queue=args.max_queue,
+        catalog = Catalog(specs, store, shared, aliases=tuple(args.model_alias))
+        for pattern, target in args.model_alias:
+            if catalog.find(target) is None:
+                raise StartError(f"--model-alias {pattern}={target}: no model {target!r} is served here "
+                                 "(a --model id, or a name `python -m lmsp_mlx.models list` shows)")
+        engine = Engine(catalog, ctx=args.ctx, max_queue=args.max_queue,
                         cache=_cache_settings(args), max_batch=args.max_batch or (8 if backend_name() == "cpu" else 32),
                         max_output_tokens=args.max_output_tokens,
                         limits=ModelLimits(args.max_loaded_models, args.keep_alive, limit, source))

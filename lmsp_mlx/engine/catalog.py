@@ -8,6 +8,7 @@ a model: the listing reads file names, headers and sizes.
 
 from __future__ import annotations
 
+import fnmatch
 import json
 import logging
 import shutil
@@ -97,10 +98,18 @@ class Catalog:
     """Every model the server can serve, by id: the ones named on the command line (the
     first is the default), then the model store's, then the Hugging Face cache's."""
 
-    def __init__(self, named: list, models_dir: Path, options) -> None:
+    def __init__(self, named: list, models_dir: Path, options, aliases: tuple[tuple[str, str], ...] = ()) -> None:
         self.named = named  # ModelSpecs of --model
         self.models_dir = models_dir
         self.options = options  # LoadOptions for the models found here (no adapter: that is a --model's)
+        self.aliases = aliases  # --model-alias: (glob pattern, served id), the first match wins
+
+    def resolve(self, model_id: str) -> str:
+        """The id a requested name means: itself where a --model has that id, else the target
+        of the first alias whose pattern it matches (Claude Code's `claude-*` names), else itself."""
+        if any(s.id == model_id for s in self.named):
+            return model_id
+        return next((target for pattern, target in self.aliases if fnmatch.fnmatchcase(model_id, pattern)), model_id)
 
     @property
     def default_id(self) -> str:

@@ -23,7 +23,7 @@ from time import perf_counter
 from typing import Callable
 
 import mlx.core as mx
-from mlx_lm.sample_utils import apply_top_p
+from mlx_lm.sample_utils import apply_top_k, apply_top_p
 
 from .events import Finished, GenerationEvent, TextDelta, Usage
 from .generate import LONG_PREFILL, GenerationParams, continue_after, last_logits, prefill
@@ -45,13 +45,14 @@ class Phase(enum.Enum):
 
 
 class Sampler:
-    """A sequence's own sampling: grammar mask, penalties and logit_bias, temperature and
-    top_p, and with a `seed` its own random key chain, so a seeded reply gives the same
+    """A sequence's own sampling: grammar mask, penalties and logit_bias, temperature, top_k
+    and top_p, and with a `seed` its own random key chain, so a seeded reply gives the same
     tokens whatever runs beside it and leaves the global random state alone."""
 
     def __init__(self, params: GenerationParams) -> None:
         self.temperature = params.temperature
         self.top_p = params.top_p
+        self.top_k = params.top_k
         self.constraint = params.constraint
         self.penalties = params.penalties
         self._key = mx.random.key(params.seed % 2**64) if params.seed is not None else None
@@ -66,6 +67,8 @@ class Sampler:
             token = int(mx.argmax(logits, axis=-1).item())
         else:
             logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+            if 0 < self.top_k < logprobs.shape[-1]:
+                logprobs = apply_top_k(logprobs, self.top_k)
             if self.top_p < 1:
                 logprobs = apply_top_p(logprobs, self.top_p)
             key = None

@@ -67,6 +67,9 @@ class Job:
     conv: Conversation | None = None  # the items behind the prompt: for the turn's visible transcript
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     started: bool = False  # the worker took it from the queue (a task is then `in_progress`)
+    # The prompt tokens its KV lookup found cached, set before its first event goes out (so a
+    # reader of that event sees it): what Anthropic's message_start reports.
+    cached: int | None = None
     ended: bool = False  # its ending event is out (from the worker, or abandon())
     _cancel: threading.Event = field(default_factory=threading.Event)
 
@@ -238,8 +241,9 @@ class Engine:
         return await self.models.unload(model_id)
 
     async def acquire(self, model_id: str) -> ModelSlot:
-        """The model's slot, loaded on demand (engine/models.py); `release` it when its run has ended."""
-        return await self.models.acquire(model_id)
+        """The model's slot (an alias resolved), loaded on demand (engine/models.py); `release`
+        it when its run has ended."""
+        return await self.models.acquire(self.catalog.resolve(model_id))
 
     def release(self, slot: ModelSlot) -> None:
         self.models.release(slot)
@@ -426,6 +430,7 @@ class Engine:
         label = f"tool-output ids={len(job.conv.live_calls)}" if job.conv and job.conv.live_calls else None
         start = pool.start(job.text, job.params.prompt, limit=lm.context_length - 1, label=label, visible=job.visible,
                            owner=job.conv.owner if job.conv else LOCAL_OWNER)
+        job.cached = start.cached
         with self.counters.lock:
             c = self.counters
             c.lookups[start.source] = c.lookups.get(start.source, 0) + 1

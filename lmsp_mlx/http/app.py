@@ -17,7 +17,7 @@ from ..service.auth import Tokens
 from ..service.sealing import Sealer
 from ..service.state import ServerSettings, ServerState
 from ..service.tasks import Tasks
-from . import chat, completions, lmsp, responses
+from . import chat, completions, lmsp, messages, responses
 from .auth import authorize, requires
 from .context import STATE
 from .origins import Origins
@@ -49,6 +49,7 @@ def create_app(engine: Engine, settings: ServerSettings, tokens: Tokens, db: Dat
     app.register_blueprint(responses.bp)
     app.register_blueprint(chat.bp)
     app.register_blueprint(completions.bp)
+    app.register_blueprint(messages.bp)
 
     @app.before_serving
     async def start_sweeper():

@@ -30,7 +30,10 @@ def authorize(tokens: Tokens, view: Callable | None, method: str, path: str, hea
     if path == "/healthz":
         g.identity = Identity(LOCAL_OWNER, frozenset())
         return
-    identity = tokens.identify(headers.get("Authorization", ""))
+    # Anthropic's clients send their key as `x-api-key` (Claude Code's ANTHROPIC_AUTH_TOKEN
+    # is a bearer token): the same tokens either way.
+    key = headers.get("x-api-key")
+    identity = tokens.identify(headers.get("Authorization") or (f"Bearer {key}" if key else ""))
     g.identity = identity
     needed = getattr(view, "required_scope", None)
     if needed is not None and needed not in identity.scopes:

@@ -30,11 +30,18 @@ def _is_v1(path: str) -> bool:
     return path == "/v1" or path.startswith("/v1/")
 
 
+def _is_anthropic(path: str) -> bool:
+    return path == "/v1/messages" or path.startswith("/v1/messages/")
+
+
 def problem_response(problem: Problem) -> Response:
-    """LMSP routes get RFC 9457 documents; /v1 routes get OpenAI's `{"error": ...}`. A
-    refused WebSocket handshake gets the same document as an HTTP reply."""
+    """LMSP routes get RFC 9457 documents; /v1 routes get OpenAI's `{"error": ...}`, and
+    Anthropic's Messages its `{"type": "error", ...}`. A refused WebSocket handshake gets the
+    same document as an HTTP reply."""
     method, path = (request.method, request.path) if has_request_context() else ("WEBSOCKET", websocket.path)
-    if _is_v1(path):
+    if _is_anthropic(path):
+        body, mimetype = problem.anthropic_error(), "application/json"
+    elif _is_v1(path):
         body, mimetype = {"error": problem.openai_error()}, "application/json"
     else:
         body, mimetype = problem.document(), "application/problem+json"

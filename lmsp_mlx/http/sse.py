@@ -73,9 +73,10 @@ async def needs_load(req: ResponsesRequest, stream: bool | None = None) -> bool:
     model this server has but not loaded: its stream starts before the load. (An unknown
     model is still its 404.)"""
     engine = state().engine
-    if not (req.stream if stream is None else stream) or engine.models.loaded(req.model):
+    model = engine.catalog.resolve(req.model)
+    if not (req.stream if stream is None else stream) or engine.models.loaded(model):
         return False
-    return await asyncio.to_thread(engine.catalog.find, req.model) is not None
+    return await asyncio.to_thread(engine.catalog.find, model) is not None
 
 
 def loading_stream(route: Route, req: ResponsesRequest, stream: Callable[[ResponseRun], AsyncIterator],

@@ -1,6 +1,6 @@
 """A response's item-level events, and the one table that maps each to every wire API's
-stream: LMSP's events (section 6.3, 6.5 for calls), Open Responses' events (/v1) and the
-deltas of Chat's chunks. A task's stored events are read back into items through the same
+stream: LMSP's events (section 6.3, 6.5 for calls), Open Responses' events (/v1), the
+deltas of Chat's chunks and the content blocks of Anthropic's Messages. A task's stored events are read back into items through the same
 names (`DELTA_EVENTS`, `TEXT_FIELD`).
 
 An item event is one of five kinds (`ItemKind`) on one of four item types; `TABLE` has a
@@ -42,6 +42,17 @@ class ChatDelta(enum.Enum):
     REASONING = "reasoning_content"
     FLUSH = "flush"  # the message ended: text held back for a stop sequence goes out
     TOOL_CALL = "tool_calls"  # one whole call
+
+
+class MessagesBlock(enum.Enum):
+    """What an item event is in an Anthropic message's content blocks."""
+
+    TEXT_START = "text_start"  # a text block opens
+    TEXT = "text_delta"  # (stop sequences apply)
+    THINKING_START = "thinking_start"
+    THINKING = "thinking_delta"
+    STOP = "stop"  # the open block closes (a thinking block after its signature_delta)
+    TOOL_USE = "tool_use"  # one whole call: its block's start, input_json_delta and stop
 
 
 Wire = Literal["lmsp", "v1"]
@@ -151,22 +162,25 @@ class Row:
     lmsp: Build
     v1: Build
     chat: ChatDelta | None = None  # None: nothing in a Chat choice
+    messages: MessagesBlock | None = None  # None: nothing in a Messages reply
 
 
 TABLE: dict[tuple[ItemKind, type], Row] = {
-    (ItemKind.ADDED, MessageOutput): Row(_added, _then(_added_v1, _part_added)),
-    (ItemKind.ADDED, ReasoningOutput): Row(_added, _then(_added_v1, _summary_part_added)),
+    (ItemKind.ADDED, MessageOutput): Row(_added, _then(_added_v1, _part_added), messages=MessagesBlock.TEXT_START),
+    (ItemKind.ADDED, ReasoningOutput): Row(_added, _then(_added_v1, _summary_part_added),
+                                           messages=MessagesBlock.THINKING_START),
     (ItemKind.ADDED, FunctionCallOutput): Row(_added, _added_v1),
     (ItemKind.ADDED, CustomToolCallOutput): Row(_added, _added_v1),
-    (ItemKind.TEXT, MessageOutput): Row(_text_delta, _text_delta_v1, ChatDelta.CONTENT),
-    (ItemKind.REASONING, ReasoningOutput): Row(_summary_delta, _summary_delta, ChatDelta.REASONING),
+    (ItemKind.TEXT, MessageOutput): Row(_text_delta, _text_delta_v1, ChatDelta.CONTENT, MessagesBlock.TEXT),
+    (ItemKind.REASONING, ReasoningOutput): Row(_summary_delta, _summary_delta, ChatDelta.REASONING,
+                                               MessagesBlock.THINKING),
     (ItemKind.ARGUMENTS, FunctionCallOutput): Row(_arguments_delta, _arguments_delta),
     # LMSP has one argument event for every call (section 6.5); /v1 names a custom tool's input
     (ItemKind.ARGUMENTS, CustomToolCallOutput): Row(_arguments_delta, _input_delta),
-    (ItemKind.DONE, MessageOutput): Row(_done, _then(_text_done, _done_v1), ChatDelta.FLUSH),
-    (ItemKind.DONE, ReasoningOutput): Row(_done, _then(_summary_done, _done_v1)),
+    (ItemKind.DONE, MessageOutput): Row(_done, _then(_text_done, _done_v1), ChatDelta.FLUSH, MessagesBlock.STOP),
+    (ItemKind.DONE, ReasoningOutput): Row(_done, _then(_summary_done, _done_v1), messages=MessagesBlock.STOP),
     (ItemKind.DONE, FunctionCallOutput): Row(_then(_arguments_done, _done), _then(_arguments_done, _done_v1),
-                                             ChatDelta.TOOL_CALL),
+                                             ChatDelta.TOOL_CALL, MessagesBlock.TOOL_USE),
     (ItemKind.DONE, CustomToolCallOutput): Row(_done, _then(_input_done, _done_v1)),
 }
 
@@ -180,3 +194,8 @@ def events_for(e: ItemEvent, wire: Wire) -> Events:
 def chat_delta(e: ItemEvent) -> ChatDelta | None:
     """What `e` is in a Chat choice, or None for nothing."""
     return TABLE[(e.kind, type(e.item))].chat
+
+
+def messages_block(e: ItemEvent) -> MessagesBlock | None:
+    """What `e` is in a Messages reply's content blocks, or None for nothing."""
+    return TABLE[(e.kind, type(e.item))].messages

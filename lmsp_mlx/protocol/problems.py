@@ -1,8 +1,9 @@
 """Problem documents (RFC 9457), the one error type every route raises.
 
 The table of codes and statuses is PROTOCOL.md's; a route raises `Problem` and the
-server renders it as `application/problem+json` on LMSP routes or as an OpenAI-style
-`{"error": {...}}` on /v1 routes.
+server renders it as `application/problem+json` on LMSP routes, as an OpenAI-style
+`{"error": {...}}` on /v1 routes, and as Anthropic's `{"type": "error", "error": {...}}`
+on /v1/messages.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ STATUS = {
     "internal_error": 500,
     "model_load_failed": 503,  # the model exists but its load on demand failed; the loaded ones still serve
     "insufficient_memory": 507,  # the model cannot fit the memory budget beside what must stay loaded
+    "overloaded": 529,  # Anthropic's: the server cannot take the request now (it is shutting down); retry
 }
 
 TITLES = {
@@ -47,6 +49,7 @@ TITLES = {
     "internal_error": "Internal error",
     "model_load_failed": "Model load failed",
     "insufficient_memory": "Insufficient memory",
+    "overloaded": "Overloaded",
 }
 
 # OpenAI-style `error.type` for the /v1 rendering of the same problem.
@@ -57,6 +60,21 @@ _OPENAI_TYPES = {
     500: "server_error",
     503: "server_error",
     507: "server_error",
+}
+
+
+# Anthropic's `error.type` by status (its API's table; 400s and the rest not named here are
+# invalid_request_error). A 507 is a server that has no room now, as Anthropic's overload is.
+_ANTHROPIC_TYPES = {
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    500: "api_error",
+    503: "api_error",
+    507: "overloaded_error",
+    529: "overloaded_error",
 }
 
 
@@ -100,3 +118,12 @@ class Problem(Exception):
         if code == "response_not_found" and self.param == "previous_response_id":
             code = "previous_response_not_found"  # the code OpenAI's clients test for
         return {"message": self.detail, "type": kind, "code": code, "param": self.param}
+
+    def anthropic_error(self) -> dict[str, Any]:
+        """Anthropic's error object (/v1/messages): its `type` by status; the field a 400
+        names leads the message, as Anthropic's own messages do."""
+        kind = _ANTHROPIC_TYPES.get(self.status, "invalid_request_error" if self.status < 500 else "api_error")
+        message = self.detail
+        if self.param and not message.startswith(self.param):
+            message = f"{self.param}: {message}"
+        return {"type": "error", "error": {"type": kind, "message": message}}

@@ -235,20 +235,20 @@ class TextFormat(_Strict):
     model_config = ConfigDict(extra="allow", strict=True)
 
 
-def _json_number(value: Any) -> Any:
+def json_number(value: Any) -> Any:
     """JSON has one number type: `"temperature": 0` is as good as 0.0."""
     if isinstance(value, int) and not isinstance(value, bool):
         return float(value)
     return value
 
 
-Temperature = Annotated[float, BeforeValidator(_json_number), Field(ge=0, le=2)]
-TopP = Annotated[float, BeforeValidator(_json_number), Field(ge=0, le=1)]  # 0: only the likeliest token
-Penalty = Annotated[float, BeforeValidator(_json_number), Field(ge=-2, le=2)]
+Temperature = Annotated[float, BeforeValidator(json_number), Field(ge=0, le=2)]
+TopP = Annotated[float, BeforeValidator(json_number), Field(ge=0, le=1)]  # 0: only the likeliest token
+Penalty = Annotated[float, BeforeValidator(json_number), Field(ge=-2, le=2)]
 Seed = Annotated[int, Field(ge=-(2**63), le=2**63 - 1)]  # OpenAI's: a 64-bit integer
 # Chat's logit_bias: token ids (as JSON keys) to what is added to their logits.
 LogitBias = Annotated[dict[Annotated[str, Field(pattern=r"^[0-9]{1,10}$")],
-                           Annotated[float, BeforeValidator(_json_number), Field(ge=-100, le=100)]],
+                           Annotated[float, BeforeValidator(json_number), Field(ge=-100, le=100)]],
                       Field(max_length=1024)]
 
 
@@ -269,6 +269,7 @@ class ResponsesRequest(_Strict):
     max_output_tokens: Annotated[int, Field(ge=1)] | None = None
     temperature: Temperature | None = None
     top_p: TopP | None = None
+    top_k: Annotated[int, Field(ge=0)] | None = None  # vLLM's and Anthropic's: 0 or absent keeps every token
     # OpenAI's sampling settings beyond these (Chat's, and echoed by /v1's response object).
     presence_penalty: Penalty | None = None
     frequency_penalty: Penalty | None = None

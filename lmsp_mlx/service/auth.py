@@ -76,6 +76,6 @@ class Tokens:
                     return Identity("tok_" + hashlib.sha256(known.encode()).hexdigest()[:24], scopes)
         raise Problem(
             "unauthorized",
-            "a valid 'Authorization: Bearer <token>' header is required",
+            "a valid 'Authorization: Bearer <token>' (or 'x-api-key: <token>') header is required",
             headers={"WWW-Authenticate": 'Bearer realm="lmsp"'},
         )

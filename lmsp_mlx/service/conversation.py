@@ -212,9 +212,10 @@ def prepare(req: ResponsesRequest, route: Route, tokenizer, calls: CallMemory, r
             raise Problem("unknown_call_id", f"tool output for call {item.call_id!r}, which neither this request "
                           "nor the server's live state contains", param=where)
     # Chat Completions has no reasoning items: its clients replay calls without them (the
-    # template renders such a turn as its other servers would), so only Responses clients
-    # are held to sending them back.
-    if reasoning and not live and route != "chat":
+    # template renders such a turn as its other servers would), and Anthropic's drop their
+    # thinking blocks where thinking is off; so only Responses clients are held to sending
+    # them back.
+    if reasoning and not live and route not in ("chat", "messages"):
         _check_reasoning(req.items(), calls, offset, owner)
     # Under `none` the tools stay in the prompt where a grammar can keep the reply free of
     # calls (the `<tool_call>` syntax): the prompt, and so the KV, is the one `auto` has.
@@ -238,12 +239,13 @@ def sealed_problem(index: int, offset: int, what: str, why: SealError) -> Proble
                    param="previous_response_id")
 
 
-def open_reasoning(items: list[InputItem], sealer: Sealer, offset: int = 0) -> None:
-    """Reveal the raw reasoning sealed in reasoning items (ReasoningItem._raw)."""
+def open_reasoning(items: list[InputItem], sealer: Sealer, purpose: str = "reasoning", offset: int = 0) -> None:
+    """Reveal the raw reasoning sealed in reasoning items (ReasoningItem._raw), sealed for
+    `purpose` (service/run.py's seal_purpose)."""
     for index, item in enumerate(items):
         if isinstance(item, ReasoningItem) and item.encrypted_content is not None:
             try:
-                raw = sealer.open("reasoning", item.encrypted_content).get("raw")
+                raw = sealer.open(purpose, item.encrypted_content).get("raw")
             except SealError as exc:
                 raise sealed_problem(index, offset, "a reasoning item whose encrypted_content", exc) from None
             item._raw = raw if isinstance(raw, str) else None

@@ -67,6 +67,12 @@ def check_capabilities(req: ResponsesRequest, capabilities: tuple[str, ...]) -> 
         )
 
 
+def seal_purpose(route: Route) -> str:
+    """What a route's sealed reasoning is sealed for: a thinking block's `signature` is its
+    own purpose, so it cannot be replayed as an `encrypted_content`, nor the other way."""
+    return "thinking" if route == "messages" else "reasoning"
+
+
 class ResponseRun(WorkerRun[ItemEvent]):
     """`req` is the request as sent; `history` the stored conversation its
     `previous_response_id` names, rendered before its input. `on_end`, when the response is
@@ -87,8 +93,10 @@ class ResponseRun(WorkerRun[ItemEvent]):
         self.created_at = int(time.time())
         self.completed_at: int | None = None
         self.sealer = sealer
-        sealed = route == "v1" and "reasoning.encrypted_content" in (req.include or [])
-        self.folder = ItemFolder(seal=(lambda raw: self.sealer.seal("reasoning", {"raw": raw})) if sealed else None)
+        # Anthropic's thinking blocks always carry their signature; /v1 seals on request.
+        sealed = route == "messages" or route == "v1" and "reasoning.encrypted_content" in (req.include or [])
+        self.purpose = seal_purpose(route)
+        self.folder = ItemFolder(seal=(lambda raw: self.sealer.seal(self.purpose, {"raw": raw})) if sealed else None)
         self.usage: ResponseUsage | None = None
         self.incomplete_reason: str | None = None
         self.limited_by_context = False
@@ -118,7 +126,7 @@ class ResponseRun(WorkerRun[ItemEvent]):
         check_capabilities(self.req, lm.capabilities)
         self.sealer = self.sealer.for_model(lm.fingerprint)
         items = self.history + self.req.items()
-        open_reasoning(items, self.sealer, offset=len(self.history))  # the same item objects `prepare` sees
+        open_reasoning(items, self.sealer, self.purpose, offset=len(self.history))  # the item objects `prepare` sees
         if self.compact and not items:
             raise Problem("invalid_request", "there is no conversation to compact: input is empty", param="input")
         items, head = await asyncio.to_thread(compaction.expand, items, self.req, self.sealer, self.histories,

@@ -22,6 +22,9 @@ class ServerSettings:
     event_retention: float = 3600.0  # seconds a task's events stay replayable after it ended
     sse_keepalive: float = 15.0  # seconds of silence on an event stream before a comment line keeps it open
     cors_origins: tuple[str, ...] = ()  # web pages besides loopback ones that may call it (lmsp_mlx/http/origins.py)
+    # Render Claude Code's per-request billing line (protocol/messages.py) as the peers do,
+    # which makes every prompt differ from its first line: for measuring what it costs.
+    keep_billing_header: bool = False
 
 
 @dataclass(frozen=True)
@@ -45,3 +48,11 @@ class ServerState:
     # are kept (service/responses.py).
     running: dict[str, RunningResponse] = field(default_factory=dict)
     http_statuses: dict[int, int] = field(default_factory=dict)  # HTTP replies by status, for /metrics
+    noticed: set[str] = field(default_factory=set)  # what the log told once per process
+
+    def notice_once(self, key: str) -> bool:
+        """True the first time `key` is asked for: its log line is then written."""
+        if key in self.noticed:
+            return False
+        self.noticed.add(key)
+        return True

@@ -12,13 +12,15 @@ class StopScanner:
     def __init__(self, stops: list[str]) -> None:
         self.stops = stops
         self.held = ""
+        self.matched: str | None = None  # the stop sequence reached (the first in the text)
 
     def feed(self, text: str) -> tuple[str, bool]:
         """The text that is safe to show, and whether a stop sequence was reached."""
         text, self.held = self.held + text, ""
-        hits = [i for i in (text.find(s) for s in self.stops) if i >= 0]
+        hits = [(i, s) for i, s in ((text.find(s), s) for s in self.stops) if i >= 0]
         if hits:
-            return text[: min(hits)], True
+            at, self.matched = min(hits, key=lambda hit: hit[0])
+            return text[:at], True
         partial = max((k for s in self.stops for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
         if partial:  # the text may end in the start of a stop sequence: held until the next piece
             text, self.held = text[:-partial], text[-partial:]

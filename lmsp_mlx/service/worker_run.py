@@ -52,6 +52,7 @@ def sampling(req: Any, vocab: int | None) -> dict[str, Any]:
         # top_p 0 keeps only the likeliest token: greedy, whatever the temperature.
         "temperature": 0.0 if req.top_p == 0 else 1.0 if req.temperature is None else req.temperature,
         "top_p": 1.0 if req.top_p is None else req.top_p,
+        "top_k": getattr(req, "top_k", None) or 0,  # Responses' (Anthropic's top_k maps onto it)
         "penalties": penalties,
         "seed": req.seed,
     }
@@ -81,8 +82,12 @@ class WorkerRun(Generic[Out]):
                 self.slot = await self.engine.acquire(self.model)
                 self._lm = self.slot.lm
             except ModelNotFound:
-                raise Problem("model_not_found", f"model {self.model!r} is not served here; try "
-                              f"{self.engine.default_id!r} (GET /v1/models lists them all)", param="model") from None
+                catalog = self.engine.catalog
+                ids = [s.id for s in catalog.named] + [m.id for m in await asyncio.to_thread(catalog.listed)]
+                served = ", ".join(repr(i) for i in ids[:8]) + (f" and {len(ids) - 8} more" if len(ids) > 8 else "")
+                raise Problem("model_not_found", f"model {self.model!r} is not served here; served: {served} "
+                              "(GET /v1/models lists them; --model-alias maps other names onto them)",
+                              param="model") from None
             except NotEnoughMemory as exc:
                 raise Problem("insufficient_memory", str(exc), param="model") from None
             except ModelLoadError as exc:
