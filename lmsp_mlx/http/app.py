@@ -71,6 +71,12 @@ def create_app(engine: Engine, settings: ServerSettings, tokens: Tokens, db: Dat
         return {"status": "ok", "model": engine.default_id,
                 "models_loaded": [m for m in list(engine.models.slots) if engine.models.loaded(m)]}
 
+    @app.get("/")
+    async def root():
+        # Clients probe it before their first call (Claude Code sends HEAD /): a liveness
+        # answer, like /healthz, naming where the APIs are.
+        return {"service": "lmsp-mlx", "lmsp": "/lmsp/v1", "openai": "/v1", "anthropic": "/v1/messages"}
+
     @app.get("/metrics")
     @requires("admin")
     async def metrics():
@@ -152,7 +158,7 @@ def create_app(engine: Engine, settings: ServerSettings, tokens: Tokens, db: Dat
         statuses[resp.status_code] = statuses.get(resp.status_code, 0) + 1
         # One line per request: a generation's is the worker's (tokens, rates, status), an
         # error's is problem_response's; the rest get theirs here, but for liveness probes.
-        if resp.status_code < 400 and not g.get("generation") and request.path != "/healthz":
+        if resp.status_code < 400 and not g.get("generation") and request.path not in ("/", "/healthz"):
             log.info("request %s %s status=%d ms=%.0f", request.method, loggable_path(request.path), resp.status_code,
                      (time.perf_counter() - g.get("arrived", time.perf_counter())) * 1000)
         return resp
