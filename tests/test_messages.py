@@ -307,3 +307,26 @@ def test_an_oversized_body_is_413_in_anthropics_shape(start_server, tiny_model_d
                    json={"model": "tiny", "max_tokens": 2, "messages": [{"role": "user", "content": "x" * 20000}]})
     anthropic_error(r, 413, "request_too_large")
     assert httpx.get(server.url + "/healthz").status_code == 200
+
+
+def test_a_thinking_budget_closes_the_think_block(start_server, tmp_path):
+    # A model that would think " the the the ..." until max_tokens.
+    ponder = build_scripted_model(tmp_path / "ponder", script=["Ċ", "<think>", "Ġt", "h", "e", "Ġt", None,
+                                                                "</think>", "O", "K", "<|im_end|>"])
+    server = start_server("--model", str(ponder), "--model-id", "tiny")
+    body = {"messages": [{"role": "user", "content": "Think."}], "max_tokens": 3000}
+    endless = post(server, {**body, "max_tokens": 1200}).json()
+    assert endless["stop_reason"] == "max_tokens" and endless["content"][0]["type"] == "thinking"
+    capped = post(server, {**body, "thinking": {"type": "enabled", "budget_tokens": 1024}}).json()
+    assert capped["stop_reason"] == "end_turn"
+    thinking = capped["content"][0]
+    assert thinking["type"] == "thinking" and thinking["thinking"] == (" the" * 342)[:1024 // 3 * 4 + 2]
+    assert capped["content"][1] == {"type": "text", "text": "OK"}
+    # 1,024 tokens of thinking, its closing tag, the reply, then the end of the turn.
+    assert capped["usage"]["output_tokens"] == 1028
+    # The Responses form of the same budget (an extension of `reasoning`).
+    r = httpx.post(server.url + "/v1/responses", timeout=60, json={
+        "model": "tiny", "input": "Think.", "reasoning": {"budget_tokens": 5}, "max_output_tokens": 100})
+    out = r.json()
+    assert out["status"] == "completed"
+    assert [i["summary"][0]["text"] for i in out["output"] if i["type"] == "reasoning"] == [" the th"]  # Ġt h e Ġt h

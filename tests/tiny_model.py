@@ -139,10 +139,11 @@ STEPPED_CHATML = (
 )
 
 
-def build_scripted_model(out: Path, *, script: list[str] = SCRIPT, words: tuple[str, ...] = (), seed: int = 11,
+def build_scripted_model(out: Path, *, script: list[str | None] = SCRIPT, words: tuple[str, ...] = (), seed: int = 11,
                          context: int = 32768, tokenizer_config: dict | None = None,
                          template: str = REASONING_CHATML) -> Path:
-    """A tiny llama whose greedy output is `script`, whatever came before.
+    """A tiny llama whose greedy output is `script`, whatever came before (a None in it
+    starts another chain: the token after it follows no other).
 
     Its layers add nothing to the residual stream (zero output projections), so the last
     token alone picks the next one: each token's embedding has a constant first feature
@@ -166,6 +167,8 @@ def build_scripted_model(out: Path, *, script: list[str] = SCRIPT, words: tuple[
     head = mx.zeros(model.lm_head.weight.shape)
     head[vocab["<|im_end|>"], 0] = 1.0
     for a, b in zip(script, script[1:]):
+        if a is None or b is None:  # None breaks the script into chains
+            continue
         e = emb[vocab[a]] * (mx.arange(emb.shape[1]) > 0)
         head[vocab[b]] += 4.0 * e / mx.sqrt((e * e).sum())
     model.lm_head.weight = head

@@ -56,6 +56,7 @@ class GenerationParams:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0  # sample among the k likeliest tokens; 0 keeps them all
+    reasoning_budget: int | None = None  # the think block closes after this many tokens (Anthropic's budget_tokens)
     prefill_step: int = 256  # tokens per prompt chunk (--prefill-chunk): at most this delays the batch per step
     cached: int = 0  # leading prompt tokens already in the cache passed to generate()
     constraint: Any = None  # constrain.Constraint: a grammar the output must follow

@@ -44,12 +44,56 @@ class Phase(enum.Enum):
     DONE = "done"
 
 
+class ReasoningBudget:
+    """Closes the think block once it holds `budget` tokens: its closing tokens are then
+    forced, one a step, as if sampled (Anthropic's thinking.budget_tokens). The block is
+    tracked by the tokenizer's marker ids, from the prompt's end on (a template may open it)."""
+
+    def __init__(self, budget: int, start: tuple[int, ...], end: tuple[int, ...], prompt: list[int]) -> None:
+        self.budget, self.start, self.end = budget, start, end
+        self.thinking = _last(prompt, start) > _last(prompt, end)
+        self.spent = 0
+        self.forcing: list[int] = []
+
+    def forced(self) -> int | None:
+        """The token this step must give, if the budget is spent."""
+        if self.thinking and not self.forcing and self.spent >= self.budget:
+            self.forcing = list(self.end)
+        return self.forcing.pop(0) if self.forcing else None
+
+    def saw(self, reply: list[int]) -> None:
+        """After each token (the last of `reply`)."""
+        if reply[-len(self.start):] == list(self.start):
+            self.thinking, self.spent = True, 0
+        elif self.thinking:
+            self.spent += 1
+            if reply[-len(self.end):] == list(self.end):
+                self.thinking, self.forcing = False, []
+
+
+def _last(tokens: list[int], marker: tuple[int, ...]) -> int:
+    """Where `marker` last starts in `tokens`, or -1."""
+    n = len(marker)
+    return next((i for i in range(len(tokens) - n, -1, -1) if tuple(tokens[i:i + n]) == marker), -1)
+
+
+def reasoning_budget(params: GenerationParams, tokenizer) -> ReasoningBudget | None:
+    """The budget of a request that sets one, for a tokenizer whose think markers are known."""
+    start, end = getattr(tokenizer, "think_start_tokens", None), getattr(tokenizer, "think_end_tokens", None)
+    if params.reasoning_budget is None or not start or not end:
+        return None
+    # Only the prompt's tail can hold the open block's marker that matters; scanning a long
+    # prompt whole would cost each request a pass over every token.
+    return ReasoningBudget(params.reasoning_budget, tuple(start), tuple(end), params.prompt[-4096:])
+
+
 class Sampler:
     """A sequence's own sampling: grammar mask, penalties and logit_bias, temperature, top_k
     and top_p, and with a `seed` its own random key chain, so a seeded reply gives the same
     tokens whatever runs beside it and leaves the global random state alone."""
 
-    def __init__(self, params: GenerationParams) -> None:
+    def __init__(self, params: GenerationParams, budget: ReasoningBudget | None = None) -> None:
+        self.budget = budget
         self.temperature = params.temperature
         self.top_p = params.top_p
         self.top_k = params.top_k
@@ -59,6 +103,8 @@ class Sampler:
 
     def __call__(self, logits: mx.array, reply: list[int]) -> int:
         """The next token after `reply`, from this step's logits (1, vocab)."""
+        if self.budget is not None and (token := self.budget.forced()) is not None:
+            return self._taken(token, reply)
         if self.constraint is not None:
             logits = self.constraint.apply(logits)
         if self.penalties is not None:
@@ -75,8 +121,13 @@ class Sampler:
             if self._key is not None:
                 self._key, key = mx.random.split(self._key)
             token = int(mx.random.categorical(logprobs * (1.0 / self.temperature), key=key).item())
+        return self._taken(token, reply)
+
+    def _taken(self, token: int, reply: list[int]) -> int:
         if self.constraint is not None:
             self.constraint.consume(token)
+        if self.budget is not None:
+            self.budget.saw([*reply[-8:], token])
         return token
 
 
@@ -114,7 +165,7 @@ class Sequence:
         else:
             self.tail = max(1, min(new % p.prefill_step or p.prefill_step, new, 64))
             self.rows = self.tail == 1
-        self.sampler = Sampler(p)
+        self.sampler = Sampler(p, reasoning_budget(p, self.lm.tokenizer))
         self.detokenizer = self.lm.tokenizer.detokenizer
         self.skip: frozenset[int] = frozenset()  # tokens with no text in the reply
         if p.raw:

@@ -266,12 +266,21 @@ def to_responses(req: MessagesRequest, *, keep_billing: bool = False) -> Mapped:
         "tools": [_tool(t, i) for i, t in enumerate(req.tools or [])] or None,
         "tool_choice": _tool_choice(req.tool_choice),
         "parallel_tool_calls": False if req.tool_choice and req.tool_choice.disable_parallel_tool_use else None,
-        "reasoning": {"effort": {"max": "xhigh"}.get(effort, effort)} if effort else None,
+        "reasoning": _reasoning(effort, req.thinking),
         "response_format": _format(req),
     }
     shown = thinking != "disabled"
     return Mapped(parse_request(body), origin, billing, shown,
                   shown and not (req.thinking is not None and req.thinking.display == "omitted"))
+
+
+def _reasoning(effort: str | None, thinking: ThinkingConfig | None) -> dict[str, Any] | None:
+    out: dict[str, Any] = {}
+    if effort:
+        out["effort"] = {"max": "xhigh"}.get(effort, effort)
+    if thinking is not None and thinking.type == "enabled":
+        out["budget_tokens"] = thinking.budget_tokens
+    return out or None
 
 
 def _tool(tool: Any, i: int) -> dict[str, Any]:

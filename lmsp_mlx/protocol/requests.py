@@ -255,6 +255,9 @@ LogitBias = Annotated[dict[Annotated[str, Field(pattern=r"^[0-9]{1,10}$")],
 class ReasoningSettings(_Strict):
     effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
     summary: Literal["auto", "concise", "detailed"] | None = None
+    # An extension (Anthropic's thinking.budget_tokens maps onto it): the think block is
+    # closed once it holds this many tokens.
+    budget_tokens: Annotated[int, Field(ge=1)] | None = None
 
 
 # OpenAI's limits: 16 pairs, keys up to 64 characters, values up to 512.
