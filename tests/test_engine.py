@@ -151,6 +151,11 @@ def test_full_queue_answers_429_with_retry_after(start_server, tiny_model_dir):
         assert r.headers["Retry-After"].isdigit()
         assert r.json()["code"] == "queue_full" and r.json()["detail"].startswith("1 request is already waiting")
         assert "queue_full" in httpx.post(server.url + "/v1/responses", json=ask(), timeout=30).text
+        for stream in (False, True):  # Anthropic's shape, streamed or not: the status line says it
+            m = httpx.post(server.url + "/v1/messages", timeout=30, json={
+                "model": "tiny", "max_tokens": 8, "stream": stream, "messages": [{"role": "user", "content": "Hi"}]})
+            assert m.status_code == 429 and m.headers["Retry-After"].isdigit()
+            assert m.json()["type"] == "error" and m.json()["error"]["type"] == "rate_limit_error"
     finally:
         busy.stop()
     waiter.join(timeout=120)
@@ -160,7 +165,7 @@ def test_full_queue_answers_429_with_retry_after(start_server, tiny_model_dir):
     assert 'lmsp_requests_total{status="cancelled"} 1' in metrics
     assert 'lmsp_requests_total{status="completed"} 1' in metrics
     assert "lmsp_queue_depth 0" in metrics
-    assert 'lmsp_http_responses_total{code="429"} 2' in metrics  # refusals are counted too
+    assert 'lmsp_http_responses_total{code="429"} 4' in metrics  # refusals are counted too
     assert "request GET /metrics status=200" in server.log()  # and every request has its line
 
 

@@ -330,3 +330,21 @@ def test_a_thinking_budget_closes_the_think_block(start_server, tmp_path):
     out = r.json()
     assert out["status"] == "completed"
     assert [i["summary"][0]["text"] for i in out["output"] if i["type"] == "reasoning"] == [" the th"]  # Ġt h e Ġt h
+
+
+def test_a_stream_cut_by_shutdown_ends_with_an_overloaded_error_event(start_server, tiny_model_dir):
+    import signal
+
+    server = start_server("--model", str(tiny_model_dir), "--model-id", "tiny", process=True)
+    body = {"model": "tiny", "max_tokens": 30000, "stream": True, "messages": [{"role": "user", "content": ENDLESS}]}
+    with httpx.stream("POST", server.url + "/v1/messages", json=body, timeout=60) as r:
+        frames, signalled = [], False
+        for line in r.iter_lines():
+            frames.append(line)
+            if '"text_delta"' in line and not signalled:
+                server.proc.send_signal(signal.SIGTERM)  # once; the stream goes on to its end
+                signalled = True
+    last = json.loads(next(line[6:] for line in reversed(frames) if line.startswith("data: ")))
+    assert [line for line in frames if line][-2] == "event: error"
+    assert last == {"type": "error", "error": {"type": "overloaded_error", "message": "the server is shutting down"}}
+    assert server.proc.wait(timeout=30) == 0

@@ -204,3 +204,12 @@ def test_a_chat_stream_starts_while_its_model_loads(start_server, tiny_model_dir
     assert chunks[0]["model"] == "second" and chunks[-1]["choices"][0]["finish_reason"] == "length"
     missing = httpx.post(server.url + "/v1/chat/completions", json={**body, "model": "nope"})
     assert missing.status_code == 404  # an unknown model is no load: still its status line
+    # Anthropic's Messages stream too: keep-alives while the load runs, then its events.
+    assert httpx.post(server.url + "/lmsp/v1/models/second/unload", timeout=60).json()["loaded"] is False
+    with httpx.stream("POST", server.url + "/v1/messages", json=body, timeout=120) as r:
+        assert r.status_code == 200
+        lines = [l for l in r.iter_lines() if l]
+    assert lines[0] == ": keep-alive" and lines[-2:] == ["event: message_stop", 'data: {"type":"message_stop"}']
+    assert lines[lines.index("event: message_start") - 1] == ": keep-alive"
+    missing = httpx.post(server.url + "/v1/messages", json={**body, "model": "nope"})
+    assert missing.status_code == 404 and missing.json()["error"]["type"] == "not_found_error"
