@@ -348,3 +348,18 @@ def test_a_stream_cut_by_shutdown_ends_with_an_overloaded_error_event(start_serv
     assert [line for line in frames if line][-2] == "event: error"
     assert last == {"type": "error", "error": {"type": "overloaded_error", "message": "the server is shutting down"}}
     assert server.proc.wait(timeout=30) == 0
+
+
+def test_a_client_that_leaves_stops_its_generation(tiny_server):
+    import time
+
+    body = {"model": "tiny", "max_tokens": 30000, "stream": True, "messages": [{"role": "user", "content": ENDLESS}],
+            "metadata": {"user_id": "leaves"}}
+    with httpx.stream("POST", tiny_server.url + "/v1/messages", json=body, timeout=60) as r:
+        for line in r.iter_lines():
+            if '"text_delta"' in line:
+                break
+    deadline = time.monotonic() + 30
+    while not any("route=messages" in line and "status=cancelled" in line for line in tiny_server.log().splitlines()):
+        assert time.monotonic() < deadline, "the generation went on after its client left"
+        time.sleep(0.05)

@@ -147,6 +147,7 @@ def test_the_openapi_document_lists_every_route(client, tiny_server):
                          ("/lmsp/v1/tasks/{task_id}/events", "get"), ("/lmsp/v1/tasks/{task_id}/cancel", "post"),
                          ("/lmsp/v1/models", "get"), ("/lmsp/v1/openapi.json", "get"), ("/v1/responses", "post"),
                          ("/v1/chat/completions", "post"), ("/v1/completions", "post"), ("/v1/models", "get"),
+                         ("/v1/messages", "post"), ("/v1/messages/count_tokens", "post"),
                          ("/healthz", "get"), ("/metrics", "get")]:
         assert method in doc["paths"][path], path
     create = doc["paths"]["/lmsp/v1/responses"]["post"]
@@ -165,9 +166,12 @@ def test_the_openapi_document_lists_every_route(client, tiny_server):
     resume = paths["/v1/responses/{response_id}"]["get"]  # a background response streamed again
     assert {p["name"] for p in resume["parameters"]} == {"response_id", "stream", "starting_after"}
     assert set(resume["responses"]["200"]["content"]) == {"application/json", "text/event-stream"}
+    messages = paths["/v1/messages"]["post"]  # Anthropic's body, and its error shape
+    assert messages["requestBody"]["content"]["application/json"]["schema"]["$ref"].endswith("/MessagesRequest")
+    assert messages["responses"]["default"]["content"]["application/json"]["schema"]["$ref"].endswith("/AnthropicError")
     schemas = doc["components"]["schemas"]
     assert {"ResponsesRequest", "ResponseObject", "Problem", "TaskCreate", "Task", "ChatRequest",
-            "CompletionRequest"} <= set(schemas)
+            "CompletionRequest", "MessagesRequest", "CountTokensRequest", "AnthropicError"} <= set(schemas)
     # Every reference resolves inside the document.
     import json
     import re

@@ -15,6 +15,7 @@ from quart import Quart
 from .. import LMSP_VERSION, __version__
 from ..protocol.chat import ChatRequest
 from ..protocol.completions import CompletionRequest
+from ..protocol.messages import CountTokensRequest, MessagesRequest
 from ..protocol.problems import STATUS
 from ..protocol.requests import ResponsesRequest
 from ..protocol.responses import ResponseObject
@@ -24,7 +25,7 @@ _REF = "#/components/schemas/{model}"
 
 def _schemas() -> dict[str, Any]:
     schemas: dict[str, Any] = {}
-    for model in (ResponsesRequest, ResponseObject, ChatRequest, CompletionRequest):
+    for model in (ResponsesRequest, ResponseObject, ChatRequest, CompletionRequest, MessagesRequest, CountTokensRequest):
         schema = model.model_json_schema(ref_template=_REF)
         schemas.update(schema.pop("$defs", {}))
         schemas[model.__name__] = schema
@@ -36,6 +37,15 @@ def _schemas() -> dict[str, Any]:
             "detail": {"type": "string"}, "code": {"type": "string", "enum": sorted(STATUS)},
             "param": {"type": "string"},
         },
+    }
+    schemas["AnthropicError"] = {
+        "type": "object", "required": ["type", "error"],
+        "properties": {"type": {"const": "error"}, "error": {
+            "type": "object", "required": ["type", "message"],
+            "properties": {"type": {"enum": ["invalid_request_error", "authentication_error", "permission_error",
+                                             "not_found_error", "request_too_large", "rate_limit_error",
+                                             "api_error", "overloaded_error"]},
+                           "message": {"type": "string"}}}},
     }
     schemas["Compaction"] = {
         "type": "object", "required": ["id", "object", "created_at", "output", "usage"],
@@ -66,6 +76,9 @@ def _operation(app: Quart, endpoint: str, method: str, path: str) -> dict[str, A
     op: dict[str, Any] = {"operationId": endpoint.replace(".", "_"), "summary": doc,
                           "responses": {"default": {"description": "a problem document (RFC 9457)", "content": {
                               "application/problem+json": {"schema": {"$ref": _REF.format(model="Problem")}}}}}}
+    if path.startswith("/v1/messages"):  # Anthropic's error shape
+        op["responses"]["default"] = _json("Anthropic's error object", "AnthropicError")
+        op["responses"]["default"]["description"] = "Anthropic's error object"
     scope = getattr(view, "required_scope", None)
     if scope:
         op["security"] = [{"bearer": [scope]}]
@@ -75,7 +88,8 @@ def _operation(app: Quart, endpoint: str, method: str, path: str) -> dict[str, A
     body = {"/lmsp/v1/responses": "ResponsesRequest", "/v1/responses": "ResponsesRequest",
             "/lmsp/v1/responses/compact": "ResponsesRequest", "/v1/responses/compact": "ResponsesRequest",
             "/lmsp/v1/tasks": "TaskCreate", "/v1/chat/completions": "ChatRequest",
-            "/v1/completions": "CompletionRequest"}.get(path) if method == "post" else None
+            "/v1/completions": "CompletionRequest", "/v1/messages": "MessagesRequest",
+            "/v1/messages/count_tokens": "CountTokensRequest"}.get(path) if method == "post" else None
     if body:
         op["requestBody"] = {"required": True, "content": {"application/json": {"schema": {"$ref": _REF.format(model=body)}}}}
     op["responses"].update(_answers(method, path))
@@ -115,6 +129,12 @@ def _answers(method: str, path: str) -> dict[str, Any]:
         ok = _json("a chat.completion; with stream: true chat.completion.chunk events instead")
         ok["content"].update(_SSE)
         return {"200": ok}
+    if method == "post" and path == "/v1/messages":
+        ok = _json("a message; with stream: true Anthropic's message events instead")
+        ok["content"].update(_SSE)
+        return {"200": ok}
+    if method == "post" and path == "/v1/messages/count_tokens":
+        return {"200": _json("{\"input_tokens\": N}")}
     if method == "post" and path == "/v1/completions":
         ok = _json("a text_completion; with stream: true its chunks instead")
         ok["content"].update(_SSE)
@@ -144,7 +164,7 @@ def openapi_document(app: Quart) -> dict[str, Any]:
     return {
         "openapi": "3.1.0",
         "info": {"title": "lmsp-mlx", "version": __version__,
-                 "description": f"LMSP {LMSP_VERSION} (section 6 and design/PROTOCOL.md), with OpenAI-style /v1 routes."},
+                 "description": f"LMSP {LMSP_VERSION} (section 6 and design/PROTOCOL.md), with OpenAI-style /v1 routes and Anthropic's /v1/messages."},
         "paths": dict(sorted(paths.items())),
         "components": {
             "schemas": _schemas(),
