@@ -93,21 +93,27 @@ def word_tokens(vocab: dict[str, int], count: int, skip: set[int]) -> list[int]:
     return words[::step][:count]
 
 
-def build_model(out: Path, source: Path, reasoning: int, visible: int) -> list[int]:
-    """Write the synthetic model; returns its scripted reply as token ids."""
+def build_model(out: Path, source: Path, reasoning: int, visible: int, call: str | None = None,
+                context: int | None = None) -> list[int]:
+    """Write the synthetic model; returns its scripted reply as token ids. `call`: the reply
+    ends with this text (a tool call), one added token; `context`: its context length
+    (the synthetic weights run at any length)."""
     import mlx.core as mx
     from mlx.utils import tree_flatten
     from mlx_lm.models import llama
     from tokenizers import AddedToken, Tokenizer
 
     marker = out / "bench.json"
-    spec = {"source": str(source), "reasoning": reasoning, "visible": visible, "version": 1}
+    spec = {"source": str(source), "reasoning": reasoning, "visible": visible, "call": call, "context": context,
+            "version": 1}
     tok = Tokenizer.from_file(str(source / "tokenizer.json"))
     vocab = tok.get_vocab()
     if marker.exists() and json.loads(marker.read_text()).get("spec") == spec:
         return json.loads(marker.read_text())["script"]
     out.mkdir(parents=True, exist_ok=True)
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in ("<think>", "</think>")])
+    if call:
+        tok.add_tokens([AddedToken(call, special=False, normalized=False)])
     tok.save(str(out / "tokenizer.json"))
     vocab = tok.get_vocab()
     tok_config = json.loads((source / "tokenizer_config.json").read_text())
@@ -118,12 +124,15 @@ def build_model(out: Path, source: Path, reasoning: int, visible: int) -> list[i
     config.pop("quantization", None)
     config.pop("quantization_config", None)
     config.update(vocab_size=len(vocab), tie_word_embeddings=False, torch_dtype="float32")
+    if context:
+        config["max_position_embeddings"] = context
     (out / "config.json").write_text(json.dumps(config))
 
     newline, eos = vocab["Ċ"], vocab["<|im_end|>"]
     specials = {newline, eos, vocab["<think>"], vocab["</think>"]}
     words = word_tokens(vocab, reasoning + visible, specials)
-    script = [newline, vocab["<think>"], *words[:reasoning], vocab["</think>"], *words[reasoning:], eos]
+    script = [newline, vocab["<think>"], *words[:reasoning], vocab["</think>"], *words[reasoning:],
+              *([vocab[call]] if call else []), eos]
     mx.random.seed(0)
     model = llama.Model(llama.ModelArgs.from_dict(config))
     emb = mx.random.normal(model.model.embed_tokens.weight.shape)

@@ -199,9 +199,10 @@ def to_responses(req: MessagesRequest, *, keep_billing: bool = False) -> Mapped:
     if system:
         items.append({"type": "message", "role": "system", "content": system})
         origin.append("system")
-    if req.messages[0].role == "assistant":
-        raise Problem("invalid_request", "messages[0]: the first message must use the \"user\" role",
-                      param="messages[0].role")
+    first = next((i for i, m in enumerate(req.messages) if m.role != "system"), 0)
+    if req.messages[first].role == "assistant":
+        raise Problem("invalid_request", f"messages[{first}]: the first message must use the \"user\" role",
+                      param=f"messages[{first}].role")
     last = next((i for i in range(len(req.messages) - 1, -1, -1) if req.messages[i].role != "system"), None)
     if last is None or req.messages[last].role != "user":
         raise Problem("invalid_request", f"messages[{last or 0}]: the last message must be the user's; prefilling "
