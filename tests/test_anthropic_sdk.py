@@ -69,3 +69,9 @@ def test_errors_raise_the_sdks_exceptions(tiny_server):
     assert bad.value.body["error"]["type"] == "invalid_request_error"
     with pytest.raises(anthropic.NotFoundError):
         sdk.messages.create(model="claude-opus-5-5", max_tokens=8, messages=[{"role": "user", "content": "Hi"}])
+
+
+def test_models_list_reads_the_served_models(tiny_server):
+    page = client(tiny_server).models.list()
+    assert "tiny" in [m.id for m in page.data]
+    assert all(m.type == "model" and m.display_name == m.id for m in page.data)

@@ -71,7 +71,7 @@ def tool_results(reply: dict) -> dict:
 
 
 def test_a_reply_has_anthropics_shape_and_counts_input_without_the_cached_part(tiny_server):
-    body = {"messages": [{"role": "user", "content": [{"type": "text", "text": ENDLESS,
+    body = {"messages": [{"role": "user", "content": [{"type": "text", "text": "Shapes. " + ENDLESS,
                                                        "cache_control": {"type": "ephemeral"}}]}],
             "max_tokens": 12, "metadata": {"user_id": "u1"}}
     first = post(tiny_server, body, headers={"anthropic-version": "2023-06-01", "anthropic-beta": "x-2025-01-01"}).json()

@@ -32,14 +32,19 @@ bp = Blueprint("openai", __name__, url_prefix="/v1")
 
 
 def _model_object(doc: dict) -> dict:
-    """OpenAI's model object, and whether the model is loaded now."""
-    return {"id": doc["id"], "object": "model", "created": 0, "owned_by": "lmsp-mlx", "loaded": doc["loaded"]}
+    """OpenAI's model object, Anthropic's fields beside it (`type`, `display_name`,
+    `created_at`: the Anthropic SDK's models.list reads the same route), and whether the
+    model is loaded now."""
+    return {"id": doc["id"], "object": "model", "created": 0, "owned_by": "lmsp-mlx",
+            "type": "model", "display_name": doc["id"], "created_at": "1970-01-01T00:00:00Z", "loaded": doc["loaded"]}
 
 
 @bp.get("/models")
 @requires("models:read")
 async def list_models():
-    return {"object": "list", "data": [_model_object(d) for d in await models.all_models(state().engine)]}
+    data = [_model_object(d) for d in await models.all_models(state().engine)]
+    return {"object": "list", "data": data, "has_more": False,  # and Anthropic's page fields
+            "first_id": data[0]["id"] if data else None, "last_id": data[-1]["id"] if data else None}
 
 
 @bp.get("/models/<path:model_id>")
