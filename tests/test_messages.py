@@ -150,6 +150,12 @@ def test_a_tool_loop_continues_the_live_kv_with_only_the_results_prefilled(calle
     u = second["usage"]
     held = first["usage"]["input_tokens"] + first["usage"]["output_tokens"]  # its end-of-turn token is prefilled next
     assert u["cache_read_input_tokens"] == held and 0 < u["input_tokens"] < held / 4
+    # A failed call's result reaches the model as one: "Error: " leads it (7 byte tokens here).
+    failed = tool_results(first)
+    failed["content"][0]["is_error"] = True
+    count = lambda last: post(caller, {"messages": [*turn[:2], last], "tools": TOOLS},  # noqa: E731
+                              "/v1/messages/count_tokens").json()["input_tokens"]
+    assert count(failed) - count(turn[2]) == 7
 
 
 def test_a_streamed_tool_use_has_its_input_as_json_deltas_and_the_signature_last(caller):

@@ -182,13 +182,14 @@ def _system_text(system: str | list[TextBlock] | None, keep_billing: bool) -> tu
 
 
 def _result_text(block: ToolResultBlock, where: str) -> str:
-    if isinstance(block.content, str):
-        return block.content
-    for k, part in enumerate(block.content):
+    """A tool_result as the model reads it; `is_error` leads it with "Error: " (a chat
+    template has no field for it, and the model must know the call failed)."""
+    for k, part in enumerate([] if isinstance(block.content, str) else block.content):
         if isinstance(part, MediaBlock):
             raise Problem("unsupported_capability", f"a {part.type} block: LMSP 1.0 defines text content only",
                           param=f"{where}.content[{k}]")
-    return "\n".join(p.text for p in block.content)
+    text = block.content if isinstance(block.content, str) else "\n".join(p.text for p in block.content)
+    return f"Error: {text}" if block.is_error else text
 
 
 def to_responses(req: MessagesRequest, *, keep_billing: bool = False) -> Mapped:
