@@ -61,7 +61,8 @@ def test_a_request_for_another_model_loads_it_evicting_the_idle_one(start_server
     assert back.status_code == 200
     assert back.json()["usage"]["input_tokens_details"]["cached_tokens"] >= first.json()["usage"]["input_tokens"] - 1
     assert httpx.get(server.url + "/v1/models").json()["data"][0] == {
-        "id": "tiny", "object": "model", "created": 0, "owned_by": "lmsp-mlx", "loaded": True}
+        "id": "tiny", "object": "model", "created": 0, "owned_by": "lmsp-mlx", "loaded": True,
+        "type": "model", "display_name": "tiny", "created_at": "1970-01-01T00:00:00Z"}  # and Anthropic's fields
 
 
 def test_work_for_two_models_alternates_and_one_load_serves_both_requests(start_server, tiny_model_dir, second_dir):
