@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -18,6 +17,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 from conftest import lookups_during  # noqa: E402
+from npm_tools import npm_tool  # noqa: E402
 from tiny_model import STEPPED_CHATML, build_scripted_model  # noqa: E402
 
 # What Claude Code needs offline: no telemetry, update checks or other calls besides the
@@ -27,24 +27,7 @@ ENV = {"CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1", "ANTHROPIC_AUTH_TOKEN": 
 
 @pytest.fixture(scope="session")
 def claude(tmp_path_factory) -> str:
-    found = shutil.which("claude")
-    if found:
-        return found
-    npm = shutil.which("npm")
-    if not npm:
-        pytest.skip("neither claude nor npm is installed")
-    prefix = tmp_path_factory.mktemp("claude-npm")
-    try:
-        subprocess.run([npm, "install", "--no-audit", "--no-fund", "--prefix", str(prefix),
-                        "@anthropic-ai/claude-code"], check=True, capture_output=True, timeout=300)
-    except (subprocess.SubprocessError, OSError) as exc:
-        pytest.skip(f"@anthropic-ai/claude-code did not install: {exc}")
-    binary = prefix / "node_modules" / ".bin" / "claude"
-    try:
-        subprocess.run([str(binary), "--version"], check=True, capture_output=True, timeout=60)
-    except (subprocess.SubprocessError, OSError) as exc:
-        pytest.skip(f"@anthropic-ai/claude-code installed no claude binary that runs here: {exc}")
-    return str(binary)
+    return npm_tool("claude", "@anthropic-ai/claude-code", tmp_path_factory.mktemp("claude-npm"))
 
 
 def claude_p(claude: str, server, tmp_path: Path, prompt: str) -> subprocess.CompletedProcess:

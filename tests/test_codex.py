@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -16,27 +15,13 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 from conftest import lookups_during  # noqa: E402
+from npm_tools import npm_tool  # noqa: E402
 from tiny_model import CALLS, STEPPED_CHATML, TOOL_SCRIPT, build_scripted_model  # noqa: E402
 
 
 @pytest.fixture(scope="session")
 def codex(tmp_path_factory) -> str:
-    found = shutil.which("codex")
-    if found:
-        return found
-    npm = shutil.which("npm")
-    if not npm:
-        pytest.skip("neither codex nor npm is installed")
-    prefix = tmp_path_factory.mktemp("codex-npm")
-    try:
-        subprocess.run([npm, "install", "--no-audit", "--no-fund", "--prefix", str(prefix), "@openai/codex"],
-                       check=True, capture_output=True, timeout=180)
-    except (subprocess.SubprocessError, OSError) as exc:
-        pytest.skip(f"@openai/codex did not install: {exc}")
-    binary = prefix / "node_modules" / ".bin" / "codex"
-    if not binary.exists():
-        pytest.skip("@openai/codex installed no codex binary")
-    return str(binary)
+    return npm_tool("codex", "@openai/codex", tmp_path_factory.mktemp("codex-npm"), timeout=180)
 
 
 def codex_exec(codex: str, server, tmp_path: Path, prompt: str, *extra: str) -> subprocess.CompletedProcess:

@@ -54,6 +54,7 @@ class ReasoningBudget:
         self.thinking = _last(prompt, start) > _last(prompt, end)
         self.spent = 0
         self.forcing: list[int] = []
+        self.tail: list[int] = []  # the last tokens, enough to hold either marker
 
     def forced(self) -> int | None:
         """The token this step must give, if the budget is spent."""
@@ -61,13 +62,14 @@ class ReasoningBudget:
             self.forcing = list(self.end)
         return self.forcing.pop(0) if self.forcing else None
 
-    def saw(self, reply: list[int]) -> None:
-        """After each token (the last of `reply`)."""
-        if reply[-len(self.start):] == list(self.start):
+    def saw(self, token: int) -> None:
+        """After each token the reply takes."""
+        self.tail = [*self.tail, token][-max(len(self.start), len(self.end)):]
+        if tuple(self.tail[-len(self.start):]) == self.start:
             self.thinking, self.spent = True, 0
         elif self.thinking:
             self.spent += 1
-            if reply[-len(self.end):] == list(self.end):
+            if tuple(self.tail[-len(self.end):]) == self.end:
                 self.thinking, self.forcing = False, []
 
 
@@ -104,7 +106,7 @@ class Sampler:
     def __call__(self, logits: mx.array, reply: list[int]) -> int:
         """The next token after `reply`, from this step's logits (1, vocab)."""
         if self.budget is not None and (token := self.budget.forced()) is not None:
-            return self._taken(token, reply)
+            return self._taken(token)
         if self.constraint is not None:
             logits = self.constraint.apply(logits)
         if self.penalties is not None:
@@ -121,13 +123,13 @@ class Sampler:
             if self._key is not None:
                 self._key, key = mx.random.split(self._key)
             token = int(mx.random.categorical(logprobs * (1.0 / self.temperature), key=key).item())
-        return self._taken(token, reply)
+        return self._taken(token)
 
-    def _taken(self, token: int, reply: list[int]) -> int:
+    def _taken(self, token: int) -> int:
         if self.constraint is not None:
             self.constraint.consume(token)
         if self.budget is not None:
-            self.budget.saw([*reply[-8:], token])
+            self.budget.saw(token)
         return token
 
 

@@ -338,7 +338,8 @@ def messages_param(problem: Problem, mapped: Mapped | None) -> Problem:
         param = re.sub(r"^tools\[(\d+)\]\.parameters", r"tools[\1].input_schema",
                        {"max_output_tokens": "max_tokens", "input": "messages",
                         "response_format": "output_config.format"}.get(param, param))
-        detail = detail.replace(problem.param or "\0", param) if problem.param else detail
+        if problem.param:
+            detail = detail.replace(problem.param, param)
     if param == (problem.param or "") and detail == problem.detail:
         return problem
     return Problem(problem.code, detail, param=param or None, headers=problem.headers)
