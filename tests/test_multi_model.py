@@ -214,3 +214,18 @@ def test_a_chat_stream_starts_while_its_model_loads(start_server, tiny_model_dir
     assert lines[lines.index("event: message_start") - 1] == ": keep-alive"
     missing = httpx.post(server.url + "/v1/messages", json={**body, "model": "nope"})
     assert missing.status_code == 404 and missing.json()["error"]["type"] == "not_found_error"
+    # Text completions too, and a refusal after the load is OpenAI's error frame, then [DONE].
+    assert httpx.post(server.url + "/lmsp/v1/models/second/unload", timeout=60).json()["loaded"] is False
+    text = {"model": "second", "prompt": "Once upon", "max_tokens": 4, "stream": True}
+    with httpx.stream("POST", server.url + "/v1/completions", json=text, timeout=120) as r:
+        assert r.status_code == 200
+        lines = [l for l in r.iter_lines() if l]
+    assert lines[0] == ": keep-alive" and lines[-1] == "data: [DONE]"
+    chunks = [json.loads(l[6:]) for l in lines if l.startswith("data: {")]
+    assert chunks[0]["object"] == "text_completion" and chunks[-1]["choices"][0]["finish_reason"] == "length"
+    assert httpx.post(server.url + "/lmsp/v1/models/second/unload", timeout=60).json()["loaded"] is False
+    with httpx.stream("POST", server.url + "/v1/completions", json={**text, "prompt": [10**9]}, timeout=120) as r:
+        lines = [l for l in r.iter_lines() if l]
+    assert lines[0] == ": keep-alive" and lines[-1] == "data: [DONE]"
+    error = json.loads(lines[-2][6:])["error"]
+    assert error["param"] == "prompt" and "outside the vocabulary" in error["message"]

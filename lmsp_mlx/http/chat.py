@@ -23,7 +23,7 @@ from ..service.stops import StopScanner
 from .auth import requires
 from .body import read_json
 from .context import start_run
-from .sse import loading_stream, needs_load, sse_response
+from .sse import loading_stream, needs_load, openai_stream_error, response_start, sse_response
 
 bp = Blueprint("chat", __name__, url_prefix="/v1")
 
@@ -36,10 +36,10 @@ async def create_chat_completion():
     origin: list[int] = []
     try:
         req, origin = to_responses(chat)
-        if await needs_load(req, chat.stream):  # the stream starts while the model loads, with keep-alives
-            return loading_stream("chat", req, lambda run: ChatReply(run, chat).chunks(),
-                                  lambda problem: _stream_error(chat_param(problem, origin, chat)),
-                                  stop=tuple(chat.stops()))
+        if await needs_load(req.model, chat.stream):  # the stream starts while the model loads, with keep-alives
+            return loading_stream(response_start("chat", req, stop=tuple(chat.stops())),
+                                  lambda run: ChatReply(run, chat).chunks(),
+                                  lambda problem: openai_stream_error(chat_param(problem, origin, chat)))
         run = await start_run("chat", req, stop=tuple(chat.stops()))
     except Problem as problem:
         raise chat_param(problem, origin, chat) from None
@@ -47,11 +47,6 @@ async def create_chat_completion():
     if not chat.stream:
         return await reply.complete()
     return sse_response(reply.chunks())
-
-
-def _stream_error(problem: Problem) -> list[str]:
-    """A refusal once the stream has begun: OpenAI's error object as a data frame, then [DONE]."""
-    return [data_frame({"error": problem.openai_error()}), OpenResponsesEvents.DONE]
 
 
 class ChatReply:

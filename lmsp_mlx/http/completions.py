@@ -14,7 +14,7 @@ from ..service.text_run import TextRun
 from .auth import requires
 from .body import read_json
 from .context import generation_logged, state
-from .sse import sse_response
+from .sse import loading_stream, needs_load, openai_stream_error, sse_response
 
 bp = Blueprint("completions", __name__, url_prefix="/v1")
 
@@ -26,6 +26,8 @@ async def create_completion():
     req = parse_completion(await read_json())
     s = state()
     run = TextRun(s.engine, req, s.settings.prefill_step)
+    if await needs_load(req.model, req.stream):  # the stream starts while the model loads, with keep-alives
+        return loading_stream(run.start, lambda run: TextReply(run, req).chunks(), openai_stream_error)
     await run.start()
     generation_logged()
     reply = TextReply(run, req)

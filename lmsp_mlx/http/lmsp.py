@@ -22,7 +22,7 @@ from ..store import TaskRecord
 from .auth import requires
 from .body import read_json
 from .context import compact_conversation, owner, start_run, state
-from .sse import loading_stream, needs_load, sse_response
+from .sse import loading_stream, needs_load, response_start, sse_response
 
 bp = Blueprint("lmsp", __name__, url_prefix="/lmsp/v1")
 
@@ -88,8 +88,8 @@ async def create_response():
     req = parse_request(body).model_copy(update={"background": None})  # /v1's; tasks are LMSP's background
     key = request.headers.get("Idempotency-Key")
     if key is None:  # the response belongs to this connection (section 6.4)
-        if await needs_load(req):
-            return loading_stream("lmsp", req, stream_lmsp, _failed)
+        if await needs_load(req.model, bool(req.stream)):
+            return loading_stream(response_start("lmsp", req), stream_lmsp, _failed)
         run = await start_run("lmsp", req)
         if not req.stream:
             return (await run.run_to_end()).model_dump(mode="json")

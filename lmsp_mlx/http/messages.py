@@ -26,7 +26,7 @@ from ..service.stops import StopScanner
 from .auth import requires
 from .body import read_json
 from .context import owner, start_run, state
-from .sse import loading_stream, needs_load, sse_response
+from .sse import loading_stream, needs_load, response_start, sse_response
 
 log = logging.getLogger("lmsp_mlx.server")
 
@@ -42,10 +42,10 @@ async def create_message():
     stop = tuple(req.stop_sequences or ())
     try:
         mapped = _mapped(req)
-        if await needs_load(mapped.request, req.stream):  # the stream starts while the model loads
+        if await needs_load(mapped.request.model, req.stream):  # the stream starts while the model loads
             failed = lambda problem: [V1Event(messages_param(problem, mapped).anthropic_error())]  # noqa: E731
-            return loading_stream("messages", mapped.request, lambda run: MessageReply(run, req, mapped).events(),
-                                  failed, stop=stop)
+            return loading_stream(response_start("messages", mapped.request, stop=stop),
+                                  lambda run: MessageReply(run, req, mapped).events(), failed)
         run = await start_run("messages", mapped.request, stop=stop)
     except Problem as problem:
         raise messages_param(problem, mapped) from None

@@ -26,7 +26,7 @@ from .auth import requires
 from .body import decode_json, read_json
 from .context import compact_conversation, owner, start_run, state
 from .problems import queue_full
-from .sse import loading_stream, needs_load, sse_response
+from .sse import loading_stream, needs_load, response_start, sse_response
 
 bp = Blueprint("openai", __name__, url_prefix="/v1")
 
@@ -63,8 +63,8 @@ async def create_response():
     if req.background and not req.store:
         raise Problem("invalid_request", "a background response must be stored (store: true) to be polled",
                       param="store")
-    if await needs_load(req) and not req.background:
-        return loading_stream("v1", req, stream_v1, _stream_error)
+    if await needs_load(req.model, bool(req.stream)) and not req.background:
+        return loading_stream(response_start("v1", req), stream_v1, _stream_error)
     run = await start_run("v1", req)
     if req.background:  # a task: GET /v1/responses/{id} polls it (or streams it again), .../cancel stops it
         task = state().tasks.start(owner(), run, _logged(stream_v1(run)), framing="v1")

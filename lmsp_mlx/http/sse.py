@@ -4,14 +4,14 @@ while a stream waits. The events themselves are framed in protocol/sse.py."""
 from __future__ import annotations
 
 import asyncio
-from typing import AsyncIterator, Callable, Iterable
+from typing import AsyncIterator, Awaitable, Callable, Iterable, TypeVar
 
 from quart import Response
 
 from ..protocol.problems import Problem
 from ..protocol.requests import ResponsesRequest
 from ..protocol.routes import Route
-from ..protocol.sse import SseEvent, V1Event
+from ..protocol.sse import OpenResponsesEvents, SseEvent, V1Event, data_frame
 from ..service import responses
 from ..service.run import ResponseRun
 from ..engine.worker import QueueFull
@@ -66,32 +66,31 @@ async def _close(it) -> None:
 
 
 Frames = Iterable[str | SseEvent | V1Event]
+Run = TypeVar("Run")
 
 
-async def needs_load(req: ResponsesRequest, stream: bool | None = None) -> bool:
-    """A streamed request (`stream`: where its own request says so, as Chat's does) for a
-    model this server has but not loaded: its stream starts before the load. (An unknown
-    model is still its 404.)"""
+async def needs_load(model: str, stream: bool) -> bool:
+    """A streamed request for a model this server has but not loaded: its stream starts
+    before the load. (An unknown model is still its 404.)"""
     engine = state().engine
-    model = engine.catalog.resolve(req.model)
-    if not (req.stream if stream is None else stream) or engine.models.loaded(model):
+    model = engine.catalog.resolve(model)
+    if not stream or engine.models.loaded(model):
         return False
     return await asyncio.to_thread(engine.catalog.find, model) is not None
 
 
-def loading_stream(route: Route, req: ResponsesRequest, stream: Callable[[ResponseRun], AsyncIterator],
-                   failed: Callable[[Problem], Frames], stop: tuple[str, ...] = ()) -> Response:
+def loading_stream(start: Callable[[], Awaitable[Run]], stream: Callable[[Run], AsyncIterator],
+                   failed: Callable[[Problem], Frames]) -> Response:
     """A stream that starts at once while its model loads (minutes for a big one), with
-    keep-alive comments meanwhile, so no client or proxy idle timeout cuts it; the status
-    line has gone out, so a refusal after the load (a 400, 507 or 503 otherwise) is the
-    stream's own error event (`failed`)."""
-    s, who = state(), owner()
+    keep-alive comments meanwhile, so no client or proxy idle timeout cuts it; `start`
+    leases the model and queues the run. The status line has gone out, so a refusal after
+    the load (a 400, 507 or 503 otherwise) is the stream's own error event (`failed`)."""
     generation_logged()
 
     async def events():
         try:
             try:
-                run = await responses.start_run(s, who, route, req, stop=stop)
+                run = await start()
             except QueueFull as exc:
                 raise queue_full(exc) from None
         except Problem as problem:
@@ -102,3 +101,16 @@ def loading_stream(route: Route, req: ResponsesRequest, stream: Callable[[Respon
             yield e
 
     return sse_response(events())
+
+
+def response_start(route: Route, req: ResponsesRequest, stop: tuple[str, ...] = ()) -> Callable[[], Awaitable[ResponseRun]]:
+    """loading_stream's `start` for a response: the service's start_run for this request's
+    caller (read now: the stream runs outside the request's context)."""
+    s, who = state(), owner()
+    return lambda: responses.start_run(s, who, route, req, stop=stop)
+
+
+def openai_stream_error(problem: Problem) -> list[str]:
+    """A refusal once a Chat or text completion stream has begun: OpenAI's error object as a
+    data frame, then [DONE]."""
+    return [data_frame({"error": problem.openai_error()}), OpenResponsesEvents.DONE]

@@ -39,7 +39,7 @@ class TextRun(WorkerRun[str]):
         self.prompt_text = ""
         self.finished: Finished | None = None
 
-    async def start(self) -> None:
+    async def start(self) -> TextRun:
         """Lease (and load) the model, encode the prompt, queue the job; a refusal lets the model go."""
         try:
             lm = await self.lease()
@@ -52,6 +52,7 @@ class TextRun(WorkerRun[str]):
             self.close()
             raise
         self._submit(params, "completions", text=self.prompt_text)
+        return self
 
     def _fold(self, event: GenerationEvent) -> list[str]:
         if isinstance(event, TextDelta) and not self.stopped:
