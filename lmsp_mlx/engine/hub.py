@@ -33,7 +33,8 @@ def is_repo_id(text: str) -> bool:
 def resolve(spec: str) -> Path:
     """The local snapshot directory of `spec` (org/name[@revision]), downloaded if needed."""
     from huggingface_hub import constants, snapshot_download
-    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError, OfflineModeIsEnabled
+    from huggingface_hub.errors import (GatedRepoError, HfHubHTTPError, LocalEntryNotFoundError, OfflineModeIsEnabled,
+                                        RepositoryNotFoundError, RevisionNotFoundError)
 
     repo, _, revision = spec.partition("@")
     try:
@@ -50,6 +51,22 @@ def resolve(spec: str) -> Path:
     log.info("model %s: downloading from %s", spec, constants.ENDPOINT)
     try:
         return Path(snapshot_download(repo, revision=revision or None, allow_patterns=FILES))
+    except GatedRepoError:
+        raise HubError(f"model {spec!r} is gated on {constants.ENDPOINT}: accept its terms on its page, then set "
+                       "HF_TOKEN to a token of that account") from None
+    except RepositoryNotFoundError:
+        whose = "the account of the token sent" if _token() else "others: set HF_TOKEN to see it"
+        raise HubError(f"model {spec!r} is not on {constants.ENDPOINT}, or is private to {whose}") from None
+    except RevisionNotFoundError:
+        raise HubError(f"model {repo!r} has no revision {revision!r} on {constants.ENDPOINT} (a branch, tag or "
+                       "commit)") from None
     except (HfHubHTTPError, LocalEntryNotFoundError, OfflineModeIsEnabled, OSError) as exc:
-        raise HubError(f"model {spec!r} cannot be fetched from the Hugging Face hub: "
+        raise HubError(f"model {spec!r} cannot be fetched from {constants.ENDPOINT}: "
                        f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__}") from None
+
+
+def _token() -> str | None:
+    """The token huggingface_hub would send (HF_TOKEN, or the one `hf auth login` saved)."""
+    from huggingface_hub import get_token
+
+    return get_token()
