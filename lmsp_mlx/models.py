@@ -13,15 +13,21 @@ import logging
 import sys
 from pathlib import Path
 
+from .cli import ERROR, Parser
+
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m lmsp_mlx.models", description="List, pull and remove models.")
+    p = Parser(prog="python -m lmsp_mlx.models", description="List, pull and remove models.")
+    store = argparse.ArgumentParser(add_help=False)  # --models-dir before or after the command
+    store.add_argument("--models-dir", type=Path, default=argparse.SUPPRESS,
+                       help="the model store (default: as the server's)")
     p.add_argument("--models-dir", type=Path, help="the model store (default: as the server's)")
-    sub = p.add_subparsers(dest="command", required=True)
-    sub.add_parser("list", help="the store's and the Hugging Face cache's models, with sizes")
-    pull = sub.add_parser("pull", help="download a Hugging Face repo id (org/name[@revision]) with progress")
+    sub = p.add_subparsers(dest="command", required=True, parser_class=Parser)
+    sub.add_parser("list", parents=[store], help="the store's and the Hugging Face cache's models, with sizes")
+    pull = sub.add_parser("pull", parents=[store], help="download a Hugging Face repo id (org/name[@revision]) "
+                          "with progress")
     pull.add_argument("repo")
-    rm = sub.add_parser("rm", help="remove a store model or a cached Hugging Face repo")
+    rm = sub.add_parser("rm", parents=[store], help="remove a store model or a cached Hugging Face repo")
     rm.add_argument("name")
     return p.parse_args(argv)
 
@@ -49,13 +55,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{m.id:<{width}}  {m.where:<5}  {_size(m.size_bytes):>9}  {m.path}")
         return 0
     if args.command == "pull":
-        if not hub.is_repo_id(args.repo):
-            print(f"lmsp-mlx: error: {args.repo!r} is not a Hugging Face repo id (org/name[@revision])", file=sys.stderr)
-            return 2
         try:
-            path = hub.resolve(args.repo)
+            path = hub.resolve(args.repo, pulling=True)
         except hub.HubError as exc:
-            print(f"lmsp-mlx: error: {exc}", file=sys.stderr)
+            print(f"{ERROR} {exc}", file=sys.stderr)
             return 2
         if not catalog.is_mlx_dir(path):
             print(f"lmsp-mlx: warning: {args.repo} has no mlx-lm weights (config.json and safetensors)", file=sys.stderr)
@@ -63,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     found = [m for m in catalog.store_models(store) + catalog.hub_models() if m.id == args.name]
     if not found:
-        print(f"lmsp-mlx: error: no model {args.name!r} in the store ({store}) or the Hugging Face cache",
+        print(f"{ERROR} no model {args.name!r} in the store ({store}) or the Hugging Face cache",
               file=sys.stderr)
         return 2
     for m in found:

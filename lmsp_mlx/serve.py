@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 
 from platformdirs import user_data_dir
 
+from .cli import ERROR, Parser
 from .cpu_blas import accelerate
 
 # Where the CPU backend is set up: on Linux, MLX's float32 matmuls go to OpenBLAS only if
@@ -40,7 +41,7 @@ LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m lmsp_mlx.serve", description="Serve an MLX model over LMSP 1.0.")
+    p = Parser(prog="python -m lmsp_mlx.serve", description="Serve an MLX model over LMSP 1.0.")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="port to bind (default 8000)")
     p.add_argument("--model", action="append", help="repeatable; the first is the default and loads at start, the "
@@ -50,7 +51,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                    "SmolLM2-135M-Instruct)")
     p.add_argument("--chat-template", type=_template_file, metavar="FILE",
                    help="a Jinja chat template that replaces the model's own")
-    p.add_argument("--chat-template-args", type=_json_object, default={}, metavar="JSON",
+    p.add_argument("--chat-template-args", type=_template_args, default={}, metavar="JSON",
                    help='settings every rendering of the chat template gets, e.g. \'{"enable_thinking": false}\' '
                         "(a request's chat_template_kwargs win over them)")
     p.add_argument("--adapter-path", type=Path, metavar="DIR",
@@ -172,7 +173,7 @@ def _mib(value: float | None) -> int | None:
     return None if value is None else int(value * 2**20)
 
 
-def _json_object(text: str) -> dict:
+def _template_args(text: str) -> dict:
     import json
 
     try:
@@ -181,7 +182,12 @@ def _json_object(text: str) -> dict:
         raise argparse.ArgumentTypeError(f"not JSON: {exc}") from None
     if not isinstance(value, dict):
         raise argparse.ArgumentTypeError('must be a JSON object, like {"enable_thinking": false}')
-    return value
+    from .protocol.requests import template_settings
+
+    try:
+        return template_settings(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _template_file(text: str) -> str:
@@ -348,7 +354,10 @@ def _model_path(spec: str, store: Path) -> tuple[Path, str | None]:
         return path, None
     if (store / spec).exists():
         return store / spec, None
-    if hub.is_repo_id(spec):
+    if hub.looks_like_repo_id(spec):
+        if why := hub.invalid(spec):
+            raise StartError(f"model {spec!r} is not a path, nor a name in the model store {store}, nor a Hugging Face "
+                             f"repo id: {why}")
         return hub.resolve(spec), spec.partition("@")[0]  # as the hub names it (and mlx_lm.server)
     raise StartError(f"model {spec!r} does not exist, neither as a path, in the model store {store}, nor as a "
                      "Hugging Face repo id (org/name)")
@@ -431,12 +440,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         service = build(args)
     except StartError as exc:
-        print(f"lmsp-mlx: error: {exc}", file=sys.stderr)
+        print(f"{ERROR} {exc}", file=sys.stderr)
         return 2
     try:
         asyncio.run(_serve_until_signalled(service))
     except OSError as exc:  # port in use, address not available
-        print(f"lmsp-mlx: error: cannot bind {_address(args.host, args.port)}: {exc.strerror or exc}", file=sys.stderr)
+        print(f"{ERROR} cannot bind {_address(args.host, args.port)}: {exc.strerror or exc}", file=sys.stderr)
         return 2
     finally:
         service.close()

@@ -15,6 +15,7 @@ import shutil
 from pathlib import Path
 
 import httpx
+import pytest
 
 from conftest import ask
 from hub_server import Hub, Repo
@@ -104,3 +105,22 @@ def test_a_repo_revision_or_token_the_hub_refuses_is_one_line(tiny_model_dir, tm
         pulled = models("pull", "tiny-org/tiny-model@v1", env=env)
         assert pulled.returncode == 0 and pulled.stdout.strip().endswith("snapshots/" + COMMIT), pulled.stderr
         assert "Fetching 4 files: 100%" in pulled.stderr
+
+
+@pytest.mark.parametrize("spec, why", [
+    ("org/a..b", "Cannot have -- or .."),
+    ("org/name.", "cannot start or end with"),
+    ("org/" + "n" * 100, "maximum length is 96"),
+    ("org/na$me", "a repo id is org/name or org/name@revision"),
+    ("org/name@", "a repo id is org/name or org/name@revision"),
+])
+def test_a_repo_id_the_hub_would_refuse_is_one_line_saying_why(spec, why, tmp_path):
+    from lmsp_mlx import serve
+    from test_models_cli import models
+
+    with pytest.raises(serve.StartError) as err:
+        serve.build(serve.parse_args(["--model", spec, "--models-dir", str(tmp_path / "store")]))
+    assert "\n" not in str(err.value) and "nor a Hugging Face repo id" in str(err.value) and why in str(err.value)
+    if spec == "org/a..b":  # the CLI says the same, where huggingface_hub raised its own traceback
+        pulled = models("pull", spec, env={"HF_HOME": str(tmp_path / "hf")})
+        assert pulled.returncode == 2 and why in pulled.stderr and "Traceback" not in pulled.stderr

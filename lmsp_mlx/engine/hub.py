@@ -26,16 +26,36 @@ class HubError(RuntimeError):
     """A repo id that cannot be resolved; the message is the one line to show."""
 
 
-def is_repo_id(text: str) -> bool:
-    return bool(REPO_ID.match(text)) and not text.startswith(("./", "../"))
+def looks_like_repo_id(text: str) -> bool:
+    """`org/name...` rather than a path: one slash, not leading (an id may still be malformed)."""
+    return text.count("/") == 1 and not text.startswith(("/", "./", "../", "~"))
 
 
-def resolve(spec: str) -> Path:
-    """The local snapshot directory of `spec` (org/name[@revision]), downloaded if needed."""
+def invalid(spec: str) -> str | None:
+    """Why `spec` is not a repo id the hub takes (org/name[@revision]), or None: our form,
+    then huggingface_hub's own rules (no '--' or '..', at most 96 characters, ...)."""
+    from huggingface_hub.errors import HFValidationError
+    from huggingface_hub.utils import validate_repo_id
+
+    repo, at, revision = spec.partition("@")
+    if not REPO_ID.match(spec) or (at and not revision):
+        return "a repo id is org/name or org/name@revision, of letters, digits, '-', '_' and '.'"
+    try:
+        validate_repo_id(repo)
+    except HFValidationError as exc:
+        return str(exc).splitlines()[0]
+    return None
+
+
+def resolve(spec: str, pulling: bool = False) -> Path:
+    """The local snapshot directory of `spec` (org/name[@revision]), downloaded if needed;
+    `pulling`: for `python -m lmsp_mlx.models pull`, whose offline hint is not itself."""
     from huggingface_hub import constants, snapshot_download
-    from huggingface_hub.errors import (GatedRepoError, HfHubHTTPError, LocalEntryNotFoundError, OfflineModeIsEnabled,
-                                        RepositoryNotFoundError, RevisionNotFoundError)
+    from huggingface_hub.errors import (GatedRepoError, HfHubHTTPError, HFValidationError, LocalEntryNotFoundError,
+                                        OfflineModeIsEnabled, RepositoryNotFoundError, RevisionNotFoundError)
 
+    if why := invalid(spec):
+        raise HubError(f"{spec!r} is not a Hugging Face repo id: {why}")
     repo, _, revision = spec.partition("@")
     try:
         path = Path(snapshot_download(repo, revision=revision or None, local_files_only=True, allow_patterns=FILES))
@@ -43,11 +63,14 @@ def resolve(spec: str) -> Path:
         return path
     except LocalEntryNotFoundError:
         pass
+    except HFValidationError as exc:  # a rule `invalid` does not know yet
+        raise HubError(f"{spec!r} is not a Hugging Face repo id: {str(exc).splitlines()[0]}") from None
     if constants.HF_HUB_OFFLINE:
+        fetch = f"`hf download {repo}{' --revision ' + revision if revision else ''}`"
+        hint = (f"unset HF_HUB_OFFLINE to download it (or fetch it with {fetch})" if pulling else
+                f"fetch it first (`python -m lmsp_mlx.models pull {spec}`, or {fetch}), or unset HF_HUB_OFFLINE")
         raise HubError(f"model {spec!r} is not in the Hugging Face cache ({constants.HF_HUB_CACHE}) and HF_HUB_OFFLINE "
-                       f"is set: fetch it first (`python -m lmsp_mlx.models pull {spec}`, or `hf download {repo}"
-                       f"{' --revision ' + revision if revision else ''}`), or unset "
-                       "HF_HUB_OFFLINE")
+                       f"is set: {hint}")
     log.info("model %s: downloading from %s", spec, constants.ENDPOINT)
     try:
         return Path(snapshot_download(repo, revision=revision or None, allow_patterns=FILES))
