@@ -72,9 +72,19 @@ def test_the_listing_says_the_model_reasons(server):
     assert model["reasoning"] is True and "reasoning" in model["capabilities"]
 
 
+def test_an_unloaded_model_is_listed_as_reasoning_as_it_will_load(templated_dir, tiny_model_dir):
+    from lmsp_mlx.engine.catalog import reasons
+
+    assert reasons(templated_dir) is True  # its vocabulary has <think> and </think>, as mlx-lm looks for them
+    assert reasons(tiny_model_dir) is False
+
+
 @pytest.mark.parametrize("route, body", [
     ("/v1/chat/completions", {"messages": ASK, "chat_template_kwargs": ["extra"]}),
     ("/v1/responses", {"input": ASK, "chat_template_kwargs": "extra"}),
+    # what the rendering sets itself is no setting: it would change what is rendered
+    ("/v1/chat/completions", {"messages": ASK, "chat_template_kwargs": {"messages": []}}),
+    ("/v1/responses", {"input": ASK, "chat_template_kwargs": {"add_generation_prompt": False}}),
 ])
 def test_kwargs_that_are_not_an_object_are_a_400_naming_them(server, route, body):
     r = httpx.post(server.url + route, json={"model": server.model, **body})
@@ -94,3 +104,28 @@ def test_server_args_apply_to_every_request_and_a_request_overrides_them(start_s
     other = start_server("--model", str(templated_dir), "--no-kv-disk", "--chat-template", str(tmp_path / "other.jinja"))
     other.model = templated_dir.name
     assert counted(other) == base + 1
+
+
+@pytest.mark.parametrize("flags, needle", [
+    (["--chat-template-args", '{"tools": 5}'], "tools is set by the server's rendering itself"),
+    (["--chat-template-args", "{bad"], "not JSON"),
+    (["--chat-template", "/nowhere/template.jinja"], "cannot read /nowhere/template.jinja"),
+])
+def test_bad_template_flags_are_one_line(flags, needle, capsys):
+    from lmsp_mlx import serve
+
+    with pytest.raises(SystemExit) as exit:
+        serve.parse_args(flags)
+    err = capsys.readouterr().err
+    assert exit.value.code == 2 and needle in err and err.count("\n") == 1, err  # no usage dump before it
+
+
+def test_a_template_that_cannot_render_stops_the_start(templated_dir, tmp_path):
+    from lmsp_mlx import serve
+
+    (tmp_path / "broken.jinja").write_text("{% for message in messages %}{{ message['content'] }")
+    args = serve.parse_args(["--model", str(templated_dir), "--chat-template", str(tmp_path / "broken.jinja"),
+                             "--no-kv-disk", "--store", str(tmp_path / "s.sqlite3"),
+                             "--state-key-file", str(tmp_path / "key")])
+    with pytest.raises(serve.StartError, match="chat template of .* cannot render a conversation: TemplateSyntaxError"):
+        serve.build(args)

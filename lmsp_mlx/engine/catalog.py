@@ -13,6 +13,7 @@ import json
 import logging
 import shutil
 from dataclasses import dataclass
+from functools import lru_cache
 from pathlib import Path
 from typing import Literal
 
@@ -82,16 +83,33 @@ def remove(listed: Listed) -> None:
     cache.delete_revisions(*hashes).execute()
 
 
+# Thinking markers mlx-lm's tokenizer looks for, as JSON strings (both of a pair in the vocabulary).
+THINK_PAIRS = ((b'"<think>"', b'"</think>"'), (b'"<longcat_think>"', b'"</longcat_think>"'),
+               (b'"<|think:start|>"', b'"<|think:end|>"'))
+
+
 def reasons(path: Path) -> bool:
-    """Whether the model's chat template thinks (Qwen3's <think> or enable_thinking), read
-    without loading it; a loaded model's tokenizer says it exactly."""
-    texts = []
-    for name in ("chat_template.jinja", "tokenizer_config.json"):
+    """Whether the model reasons, read without loading it: a pair of thinking tokens in its
+    vocabulary (tokenizer.json, tokenizer_config.json), as mlx-lm's tokenizer decides it
+    once loaded (`has_thinking`). Cached by the files' modification times."""
+    stamps = []
+    for name in ("tokenizer.json", "tokenizer_config.json"):
         try:
-            texts.append((path / name).read_text())
+            stamps.append((path / name).stat().st_mtime_ns)
+        except OSError:
+            stamps.append(None)
+    return _reasons(path, tuple(stamps))
+
+
+@lru_cache(maxsize=256)
+def _reasons(path: Path, stamps: tuple) -> bool:
+    texts = []
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        try:
+            texts.append((path / name).read_bytes())
         except OSError:
             pass
-    return any("<think>" in t or "enable_thinking" in t for t in texts)
+    return any(all(any(token in t for t in texts) for token in pair) for pair in THINK_PAIRS)
 
 
 class Catalog:

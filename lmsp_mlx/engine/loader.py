@@ -19,7 +19,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-from .render import with_template_args
+from .render import apply_template, with_template_args
 
 log = logging.getLogger("lmsp_mlx.engine")
 
@@ -174,6 +174,16 @@ def fingerprint(path: Path, runtime: str, adapter: Path | None = None) -> str:
     return h.hexdigest()
 
 
+def _check_template(tokenizer, name: str) -> None:
+    """A --chat-template that does not compile, or settings it rejects, fail the load (a start
+    error) rather than every request after it: one user message must render."""
+    try:
+        apply_template(tokenizer, [{"role": "user", "content": "Hi"}])
+    except Exception as exc:  # jinja's syntax and undefined errors, the template's own raise_exception
+        raise ModelLoadError(f"the chat template of {name} (--chat-template, --chat-template-args) cannot "
+                             f"render a conversation: {type(exc).__name__}: {' '.join(str(exc).split())}") from None
+
+
 def _describe_quantization(config: dict) -> str:
     q = config.get("quantization")
     if not q:
@@ -181,17 +191,19 @@ def _describe_quantization(config: dict) -> str:
     return f"{q.get('mode', 'affine')}-{q['bits']}bit-g{q['group_size']}"
 
 
-def check_fits(path: Path, config: dict, backend: str, override: int | None) -> int:
-    """The model's estimated size after loading; ModelLoadError where it exceeds the budget."""
+def check_fits(path: Path, config: dict, backend: str, override: int | None, name: str | None = None) -> int:
+    """The model's estimated size after loading; ModelLoadError where it exceeds the budget.
+    `name`: what the messages call it (its id; a hub snapshot's directory is a commit hash)."""
+    name = name or path.name
     from .footprint import budget_bytes, estimate_bytes, gb
 
     need = estimate_bytes(path, config, backend)
     budget, why = budget_bytes(override)
     if budget is not None and need > budget:
         form = "float32 on the CPU build" if backend == "cpu" else "as stored"
-        raise ModelLoadError(f"{path.name} needs about {gb(need)} once loaded ({form}) but {gb(budget)} may be used "
+        raise ModelLoadError(f"{name} needs about {gb(need)} once loaded ({form}) but {gb(budget)} may be used "
                              f"({why}); serve a smaller model or free memory")
-    log.info("%s: about %s once loaded%s", path.name, gb(need), f", of {gb(budget)} ({why})" if budget else "")
+    log.info("%s: about %s once loaded%s", name, gb(need), f", of {gb(budget)} ({why})" if budget else "")
     return need
 
 
@@ -218,11 +230,12 @@ def load_model(path: Path, *, model_id: str | None = None, ctx: int | None = Non
     from mlx_lm.utils import load
 
     config = check_model_dir(path)
+    name = model_id or path.name  # a hub snapshot's directory is a commit hash
     backend = backend_name()
     adapter = options.adapter_path
     if adapter is not None:
         check_adapter_dir(adapter)
-    check_fits(path, config, backend, options.memory_budget)
+    check_fits(path, config, backend, options.memory_budget, name)
     log.info("loading %s on %s%s", path, backend, f" with the adapter {adapter}" if adapter else "")
     try:
         model, tokenizer = load(str(path), adapter_path=None if adapter is None else str(adapter))
@@ -236,6 +249,8 @@ def load_model(path: Path, *, model_id: str | None = None, ctx: int | None = Non
         tokenizer.chat_template = options.chat_template  # the Hugging Face tokenizer's, which renders it
         tokenizer.has_chat_template = True
     tokenizer = with_template_args(tokenizer, options.template_args)
+    if options.chat_template is not None or options.template_args:
+        _check_template(tokenizer, name)
     stored = _describe_quantization(config)
     if backend == "cpu":
         from ..cpu_blas import status
@@ -250,11 +265,11 @@ def load_model(path: Path, *, model_id: str | None = None, ctx: int | None = Non
         if experts:
             quantization = f"float32, MoE experts {stored}"
         if replaced := cpu_math.install(model):
-            log.info("CPU fast math for %s: %s", path.name, ", ".join(replaced))
+            log.info("CPU fast math for %s: %s", name, ", ".join(replaced))
         if cpu_prefill.install(model):
-            log.info("CPU prefill for %s: one compiled call per prompt chunk (cpu_blas/forward.c)", path.name)
+            log.info("CPU prefill for %s: one compiled call per prompt chunk (cpu_blas/forward.c)", name)
         if cpu_decode.install(model):
-            log.info("CPU decode steps for %s: one compiled call per token (cpu_blas/decode.c)", path.name)
+            log.info("CPU decode steps for %s: one compiled call per token (cpu_blas/decode.c)", name)
     else:
         quantization = stored
     from .. import kernels
@@ -264,13 +279,13 @@ def load_model(path: Path, *, model_id: str | None = None, ctx: int | None = Non
     except ValueError as exc:  # a bad LMSP_KERNELS value
         raise ModelLoadError(str(exc)) from None
     if swapped:
-        log.info("kernels for %s (LMSP_KERNELS=%s, backend %s): %s", path.name, kernels.mode(),
+        log.info("kernels for %s (LMSP_KERNELS=%s, backend %s): %s", name, kernels.mode(),
                  kernels.backend() or "cpu: compiled CPU kernels where they take the call, else references",
                  ", ".join(swapped))
     trained = int(config.get("max_position_embeddings") or config.get("max_seq_len") or 4096)
     context_length = ctx or trained
     if context_length > trained:
-        log.warning("--ctx %d exceeds the %d positions %s was trained on", ctx, trained, path.name)
+        log.warning("--ctx %d exceeds the %d positions %s was trained on", ctx, trained, name)
     eos = set(tokenizer.eos_token_ids or ())
     if tokenizer.eos_token_id is not None:
         eos.add(tokenizer.eos_token_id)
@@ -278,7 +293,7 @@ def load_model(path: Path, *, model_id: str | None = None, ctx: int | None = Non
     special = set(getattr(tokenizer, "all_special_ids", None) or ()) | {i for i, t in added.items()
                                                                          if getattr(t, "special", False)}
     return LoadedModel(
-        id=model_id or path.name,
+        id=name,
         path=path,
         model=model,
         tokenizer=tokenizer,

@@ -17,8 +17,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from .ids import new_id
 from .problems import Problem
-from .requests import (LogitBias, Penalty, ResponsesRequest, Seed, Temperature, TopP, json_object, parse_request,
-                       validation_problem)
+from .requests import (LogitBias, Penalty, ResponsesRequest, Seed, Temperature, TemplateSettings, TopP, json_object,
+                       parse_request, validation_problem)
 from .responses import ResponseObject
 
 
@@ -110,7 +110,7 @@ class ChatRequest(_Chat):
     seed: Seed | None = None  # the same seed, prompt and settings sample the same reply
     logit_bias: LogitBias | None = None
     reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
-    chat_template_kwargs: dict[str, Any] | None = None  # the template's settings, as mlx_lm.server and vLLM take them
+    chat_template_kwargs: TemplateSettings | None = None  # the template's settings, as mlx_lm.server and vLLM take them
     # The API's first form of tools, replaced by `tools` / `tool_choice`; refused, not ignored.
     functions: list[Any] | None = None
     function_call: Any = None

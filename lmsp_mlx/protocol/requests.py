@@ -12,7 +12,7 @@ import json
 import re
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import BeforeValidator, BaseModel, ConfigDict, Field, PrivateAttr, ValidationError
+from pydantic import AfterValidator, BeforeValidator, BaseModel, ConfigDict, Field, PrivateAttr, ValidationError
 
 from .problems import Problem
 
@@ -252,6 +252,27 @@ LogitBias = Annotated[dict[Annotated[str, Field(pattern=r"^[0-9]{1,10}$")],
                       Field(max_length=1024)]
 
 
+# apply_chat_template's own parameters and the variables a rendering sets itself: a setting
+# of one of these names would change what is rendered (the messages, the tools, the
+# generation prompt), not how, so --chat-template-args and chat_template_kwargs refuse them.
+RESERVED_TEMPLATE_ARGS = frozenset({
+    "messages", "conversation", "tools", "documents", "add_generation_prompt", "continue_final_message",
+    "tokenize", "chat_template", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs", "padding",
+    "truncation", "max_length", "return_tensors",
+})
+
+
+def template_settings(value: Any) -> Any:
+    if isinstance(value, dict) and (taken := sorted(RESERVED_TEMPLATE_ARGS & set(value))):
+        raise ValueError(f"{', '.join(taken)} {'is' if len(taken) == 1 else 'are'} set by the server's rendering "
+                         "itself, not a template setting")
+    return value
+
+
+# Settings of the model's chat template (mlx-lm's and vLLM's name), e.g. {"enable_thinking": false}.
+TemplateSettings = Annotated[dict[str, Any], AfterValidator(template_settings)]
+
+
 class ReasoningSettings(_Strict):
     effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
     summary: Literal["auto", "concise", "detailed"] | None = None
@@ -294,8 +315,7 @@ class ResponsesRequest(_Strict):
     truncation: Literal["auto", "disabled"] | None = None  # auto: drop the oldest items to fit the context
     parallel_tool_calls: bool | None = None
     reasoning: ReasoningSettings | None = None
-    # Settings of the model's chat template (mlx-lm's and vLLM's name), e.g. {"enable_thinking": false}.
-    chat_template_kwargs: dict[str, Any] | None = None
+    chat_template_kwargs: TemplateSettings | None = None
     max_tool_calls: Annotated[int, Field(ge=1)] | None = None
     user: str | None = None
     prompt_cache_key: str | None = None
