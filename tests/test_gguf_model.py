@@ -55,3 +55,11 @@ def test_a_truncated_gguf_is_one_line(gguf, tmp_path):
     with pytest.raises(serve.StartError, match="cannot read") as err:
         serve.build(serve.parse_args(start_args(cut, tmp_path)))
     assert "\n" not in str(err.value)
+
+
+def test_a_gguf_whose_model_cannot_load_leaves_nothing_in_the_store(tiny_model_dir, tmp_path):
+    broken = build_tiny_gguf(tiny_model_dir, tmp_path / "holed.gguf", drop="blk.0.attn_q.weight")
+    with pytest.raises(serve.StartError, match="holed.gguf converts, but mlx-lm cannot load") as err:
+        serve.build(serve.parse_args(start_args(broken, tmp_path)))
+    assert "\n" not in str(err.value) and "Missing 1 parameters" in str(err.value)
+    assert not [d for d in (tmp_path / "store").iterdir() if not d.name.startswith(".")]  # not listed, not reused

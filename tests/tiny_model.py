@@ -178,8 +178,8 @@ def build_scripted_model(out: Path, *, script: list[str | None] = SCRIPT, words:
 
 
 def build_tiny_moe_model(out: Path, arch: str, *, bits: int = 4, group_size: int = 32, seed: int = 5) -> Path:
-    """A tiny random mixture-of-experts model of an mlx-lm architecture (`qwen3_moe` or
-    `deepseek_v3`: MLA attention, a shared expert, a dense first layer), 8 experts, top 2,
+    """A tiny random mixture-of-experts model of an mlx-lm architecture (`qwen3_moe`, or
+    `deepseek_v3` / `deepseek_v2`: MLA attention, a shared expert, a dense first layer), 8 experts, top 2,
     affine-quantized like a converted checkpoint (`quantization` in its config)."""
     import importlib
 
@@ -200,6 +200,12 @@ def build_tiny_moe_model(out: Path, arch: str, *, bits: int = 4, group_size: int
                   "routed_scaling_factor": 1.0, "kv_lora_rank": 32, "q_lora_rank": 32, "qk_rope_head_dim": 32,
                   "v_head_dim": 32, "qk_nope_head_dim": 32, "topk_method": "noaux_tc", "scoring_func": "sigmoid",
                   "n_group": 1, "topk_group": 1, "first_k_dense_replace": 1, "moe_layer_freq": 1}
+    elif arch == "deepseek_v2":  # its attention keeps full K and V in the cache, so --kv-bits takes it
+        config = {**common, "num_key_value_heads": 4, "n_routed_experts": 8, "n_shared_experts": 1,
+                  "routed_scaling_factor": 1.0, "kv_lora_rank": 32, "q_lora_rank": 32, "qk_rope_head_dim": 32,
+                  "v_head_dim": 64, "qk_nope_head_dim": 32, "topk_method": "greedy", "first_k_dense_replace": 1,
+                  "moe_layer_freq": 1, "rope_scaling": {"type": "yarn", "factor": 1.0, "beta_fast": 32,
+                                                        "beta_slow": 1, "original_max_position_embeddings": 4096}}
     else:
         raise ValueError(arch)
     module = importlib.import_module(f"mlx_lm.models.{arch}")
@@ -213,10 +219,11 @@ def build_tiny_moe_model(out: Path, arch: str, *, bits: int = 4, group_size: int
     return out
 
 
-def build_tiny_gguf(model_dir: Path, out: Path, arch: str = "llama") -> Path:
+def build_tiny_gguf(model_dir: Path, out: Path, arch: str = "llama", drop: str | None = None) -> Path:
     """`model_dir` (a tiny llama of build_tiny_model) as llama.cpp writes a float32 GGUF: its
     tensor names, its rotary row order for attn_q/attn_k, its vocab and merges as metadata.
-    `arch`: the architecture it claims (an unknown one must be refused)."""
+    `arch`: the architecture it claims (an unknown one must be refused); `drop`: a tensor
+    left out (the file converts, but its model cannot load)."""
     from lmsp_mlx.engine.gguf import _LAYER_NAMES, _TOP_NAMES
 
     config = json.loads((model_dir / "config.json").read_text())
@@ -259,5 +266,7 @@ def build_tiny_gguf(model_dir: Path, out: Path, arch: str = "llama") -> Path:
         "tokenizer.ggml.bos_token_id": u32(vocab["<|endoftext|>"]), "tokenizer.ggml.eos_token_id": u32(vocab["<|im_end|>"]),
         "tokenizer.chat_template": CHATML,
     }
+    if drop is not None:
+        del tensors[drop]
     mx.save_gguf(str(out), tensors, meta)
     return out

@@ -128,6 +128,7 @@ def _convert_into(gguf: Path, target: Path, recipe: dict, progress) -> Path:
             convert_gguf(gguf, staging, progress=progress)
         except GGUFError as exc:
             raise ModelStoreError(str(exc)) from exc
+        _check_loads(gguf, staging)
         (staging / RECIPE_FILE).write_text(json.dumps(recipe, indent=2))
         if (target / RECIPE_FILE).exists():  # another process finished first
             return target
@@ -135,6 +136,18 @@ def _convert_into(gguf: Path, target: Path, recipe: dict, progress) -> Path:
             shutil.rmtree(target)
         staging.rename(target)
     return target
+
+
+def _check_loads(gguf: Path, staging: Path) -> None:
+    """mlx-lm builds the converted model and takes every weight (lazily: nothing is read), so
+    a file that converts into something unloadable (a tensor missing) never enters the store."""
+    from mlx_lm.utils import load_model
+
+    try:
+        load_model(staging, lazy=True)
+    except Exception as exc:  # mlx-lm raises many kinds for a model it cannot build
+        raise ModelStoreError(f"{gguf.name} converts, but mlx-lm cannot load the result: {type(exc).__name__}: "
+                              f"{' '.join(str(exc).split())}") from None
 
 
 def ensure_packaged_model(recipe: PackagedGGUF, models_dir: Path) -> Path:
