@@ -89,7 +89,8 @@ def test_work_for_two_models_alternates_and_one_load_serves_both_requests(start_
     assert log.index("model second: loaded in") < log.index("model second: unloaded, evicted for tiny")
 
 
-def test_an_idle_model_unloads_after_keep_alive_and_a_pinned_one_stays(start_server, tiny_model_dir, second_dir):
+def test_an_idle_model_unloads_after_keep_alive_and_a_pinned_one_stays(start_server, tiny_model_dir, second_dir,
+                                                                       tmp_path):
     server = start_server("--model", str(tiny_model_dir), "--model", str(second_dir), "--keep-alive", "1s",
                           "--max-loaded-models", "2")
     assert respond(server, "second").status_code == 200
@@ -98,11 +99,19 @@ def test_an_idle_model_unloads_after_keep_alive_and_a_pinned_one_stays(start_ser
     wait_until(lambda: not listing(server)["tiny"]["loaded"])
     assert "model second: unloaded, idle for 1 s (--keep-alive)" in server.log()
     assert respond(server, "tiny").status_code == 200  # and loads again when asked
-    pinned = start_server("--model", str(tiny_model_dir), "--keep-alive", "1s", "--pin")
+    shutil.copytree(second_dir, tmp_path / "store" / "other")
+    pinned = start_server("--model", str(tiny_model_dir), "--keep-alive", "1s", "--pin",
+                          "--models-dir", str(tmp_path / "store"))
     assert respond(pinned, "tiny").status_code == 200
     time.sleep(2.0)
     assert listing(pinned)["tiny"] | {} and listing(pinned)["tiny"]["loaded"] is True
     assert listing(pinned)["tiny"]["pinned"] is True
+    # The pinned model takes the one place: another is refused for that, not for memory.
+    other = respond(pinned, "other")
+    assert other.status_code == 503 and other.json()["code"] == "model_limit_reached", other.text
+    assert "--max-loaded-models 1" in other.json()["detail"] and other.json()["param"] == "model"
+    kept = httpx.post(pinned.url + "/lmsp/v1/models/tiny/unload", timeout=60)
+    assert kept.status_code == 400 and kept.json()["param"] == "model" and "pinned" in kept.json()["detail"]
 
 
 def test_the_admin_routes_load_and_unload_with_the_admin_scope(start_server, tiny_model_dir, second_dir, tmp_path):
@@ -164,6 +173,11 @@ def test_a_stream_starts_while_its_model_loads_with_keep_alives(start_server, ti
         assert r.status_code == 200
         data = [json.loads(l[6:]) for l in r.iter_lines() if l.startswith("data: {")]
         assert data[-1]["type"] == "error" and data[-1]["code"] == "insufficient_memory"
+    # On LMSP, section 6.3's order: created, then the one final event.
+    with httpx.stream("POST", server.url + "/lmsp/v1/responses", timeout=120,
+                      json=ask(model="wide", max_output_tokens=4, stream=True)) as r:
+        names = [l[7:] for l in r.iter_lines() if l.startswith("event: ")]
+    assert names == ["response.created", "response.failed"], names
 
 
 @pytest.mark.parametrize("flags, needle", [
@@ -176,7 +190,8 @@ def test_bad_model_flags_are_one_line_errors(flags, needle, capsys):
 
     with pytest.raises(SystemExit) as exit:
         serve.parse_args(flags)
-    assert exit.value.code == 2 and needle in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert exit.value.code == 2 and needle in err and err.startswith("lmsp-mlx: error:") and err.count("\n") == 1
 
 
 def test_a_store_model_removed_while_loaded_serves_until_unloaded(start_server, tiny_model_dir, tmp_path):

@@ -40,6 +40,10 @@ class NotEnoughMemory(RuntimeError):
     """The model cannot fit the memory budget, even with every other model unloaded."""
 
 
+class NoModelRoom(RuntimeError):
+    """The pinned models take every place --max-loaded-models allows."""
+
+
 class ModelSet:
     def __init__(self, find: Callable[[str], ModelSpec | None], load: Callable[[ModelSlot], Awaitable[None]],
                  retire: Callable[[ModelSlot], Awaitable[None]], *, max_loaded: int, keep_alive: float,
@@ -150,11 +154,13 @@ class ModelSet:
                 raise NotEnoughMemory(f"{spec.id} needs about {gb(need)} once loaded but {gb(self.budget)} may be "
                                       f"used ({self._budget_source})")
             pinned = [s for s in self.slots.values() if s.spec.pinned]
-            if len(pinned) >= self.max_loaded or (self.budget is not None
-                                                   and sum(s.size_bytes for s in pinned) + need > self.budget):
+            if len(pinned) >= self.max_loaded:
+                raise NoModelRoom(f"{spec.id} cannot be loaded: the pinned models ({', '.join(s.id for s in pinned)}) "
+                                  f"take every place --max-loaded-models {self.max_loaded} allows")
+            if self.budget is not None and sum(s.size_bytes for s in pinned) + need > self.budget:
                 raise NotEnoughMemory(f"{spec.id} cannot be loaded beside the pinned models "
-                                      f"({', '.join(s.id for s in pinned)}): --max-loaded-models {self.max_loaded}"
-                                      + (f", {gb(self.budget)} of memory" if self.budget is not None else ""))
+                                      f"({', '.join(s.id for s in pinned)}): {gb(self.budget)} of memory may be used "
+                                      f"({self._budget_source})")
             while not self._fits(need):
                 idle = [s for s in self.slots.values() if s.state is SlotState.READY and s.leases == 0
                         and not s.spec.pinned and s.id not in self._wanting]  # not before its waiters lease

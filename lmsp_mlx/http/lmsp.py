@@ -212,8 +212,11 @@ async def _task_object(task_id: str) -> dict:
 
 
 def _failed(problem: Problem) -> list[SseEvent]:
-    """A refusal once the stream has begun (the model loaded first): one final failed event."""
-    return [LmspEvents(new_id("resp"))("response.failed", status="failed", error=problem.document())]
+    """A refusal once the stream has begun (the model loaded first): section 6.3's order
+    still holds, created, then the one final event, failed."""
+    event = LmspEvents(new_id("resp"))
+    return [event("response.created", status="in_progress"),
+            event("response.failed", status="failed", error=problem.document())]
 
 
 async def stream_lmsp(run: ResponseRun) -> AsyncIterator[SseEvent]:

@@ -32,6 +32,7 @@ STATUS = {
     "internal_error": 500,
     "model_load_failed": 503,  # the model exists but its load on demand failed; the loaded ones still serve
     "insufficient_memory": 507,  # the model cannot fit the memory budget beside what must stay loaded
+    "model_limit_reached": 503,  # the pinned models take every place --max-loaded-models allows
     "overloaded": 529,  # Anthropic's: the server cannot take the request now (it is shutting down); retry
 }
 
@@ -49,6 +50,7 @@ TITLES = {
     "internal_error": "Internal error",
     "model_load_failed": "Model load failed",
     "insufficient_memory": "Insufficient memory",
+    "model_limit_reached": "Model limit reached",
     "overloaded": "Overloaded",
 }
 

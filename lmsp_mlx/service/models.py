@@ -50,7 +50,7 @@ async def unload(engine: Engine, model_id: str) -> dict[str, Any]:
     """Unload the model once its running requests end, its KV sessions checkpointed first."""
     doc = await one_model(engine, model_id)  # 404 for an unknown id
     if doc["pinned"]:
-        raise Problem("invalid_request", f"model {model_id!r} is pinned (--pin): it stays loaded", param="model_id")
+        raise Problem("invalid_request", f"model {model_id!r} is pinned (--pin): it stays loaded", param="model")
     await engine.unload(model_id)
     try:
         return await one_model(engine, model_id)

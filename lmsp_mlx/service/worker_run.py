@@ -18,7 +18,7 @@ from typing import Any, AsyncIterator, Generic, TypeVar
 from ..engine.events import Failed, Finished, GenerationEvent
 from ..engine.generate import GenerationParams, Penalties
 from ..engine.loader import LoadedModel, ModelLoadError
-from ..engine.models import ModelNotFound, NotEnoughMemory
+from ..engine.models import ModelNotFound, NoModelRoom, NotEnoughMemory
 from ..engine.slot import ModelSlot
 from ..engine.worker import Engine, Job
 from ..protocol.problems import Problem
@@ -90,6 +90,8 @@ class WorkerRun(Generic[Out]):
                               param="model") from None
             except NotEnoughMemory as exc:
                 raise Problem("insufficient_memory", str(exc), param="model") from None
+            except NoModelRoom as exc:
+                raise Problem("model_limit_reached", str(exc), param="model") from None
             except ModelLoadError as exc:
                 raise Problem("model_load_failed", str(exc), param="model") from None
         return self.slot.lm
