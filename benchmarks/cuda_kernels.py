@@ -175,7 +175,8 @@ def attention_program(bits: int, warps: int, batch: int, chunk: int, fused: bool
     section = "state+body+last" if fused else "body"
     states = ["o_acc", "out"] if fused else ["o_acc", "o_max", "o_sum"]  # fused: o_acc is the whole state
     body = kernel("decode_attention", section,
-                  [("q", HALF), ("kw", U32), ("ks", HALF), ("kb", HALF), ("vw", U32), ("vs", HALF), ("vb", HALF)],
+                  [("q", HALF), ("kw", U32), ("ks", HALF), ("kb", HALF), ("vw", U32), ("vs", HALF), ("vb", HALF),
+                   ("first", "int32_t")],
                   [("state", "float"), ("result", HALF)] if fused
                   else [("o_acc", "float"), ("o_max", "float"), ("o_sum", "float")],
                   [("T", HALF), ("S", HALF), ("D", HEAD_DIM), ("G", ROWS_PER_KV), ("BITS", bits), ("GS", GROUP),
@@ -183,7 +184,7 @@ def attention_program(bits: int, warps: int, batch: int, chunk: int, fused: bool
     merge = kernel("decode_attention", "merge", [("acc", "float"), ("tops", "float"), ("totals", "float")],
                    [("out", HALF)], [("T", HALF), ("D", HEAD_DIM), ("G", ROWS_PER_KV)], name="merge_kernel")
     launches = call(f"mlx::core::cu::body_{tag}", "dim3(1, H, splits)", f"dim3({32 * warps})",
-                    ["q", "kw", "ks", "kb", "vw", "vs", "vb"], states, "decode_attention", section)
+                    ["q", "kw", "ks", "kb", "vw", "vs", "vb", "first"], states, "decode_attention", section)
     if fused:
         launches = ("FILL_ZERO(o_acc, (size_t(H) * splits * G * (D + 2) + H) * 4); "
                     "FILL_ZERO(out, size_t(H) * G * D * 2);\n            " + launches)
@@ -212,6 +213,7 @@ int main() {{
             vss.push_back(half_buffer(sn, lo, hi, 6 * c + 5)); vbs.push_back(half_buffer(sn, -1.0f, 0.0f, 6 * c + 6));
         }}
         __half* q = half_buffer(size_t(H) * G * D, -1.0f, 1.0f, 999);
+        int32_t* first; CHECK(cudaMalloc(&first, 4)); CHECK(cudaMemset(first, 0, 4));  // one sequence, no padding
         CHECK(cudaDeviceSynchronize());  // the fills ran on the legacy stream; `s` does not wait for it
         float *o_acc, *o_max, *o_sum; __half* out;  // fused: o_acc is big enough for the whole state
         CHECK(cudaMalloc(&o_acc, (size_t(H) * splits * G * (D + 2) + H) * 4));
@@ -268,7 +270,7 @@ int main() {{
             CHECK(cudaFree(kws[c])); CHECK(cudaFree(vws[c])); CHECK(cudaFree(kss[c])); CHECK(cudaFree(kbs[c]));
             CHECK(cudaFree(vss[c])); CHECK(cudaFree(vbs[c]));
         }}
-        CHECK(cudaFree(q)); CHECK(cudaFree(o_acc)); CHECK(cudaFree(o_max)); CHECK(cudaFree(o_sum)); CHECK(cudaFree(out));
+        CHECK(cudaFree(q)); CHECK(cudaFree(first)); CHECK(cudaFree(o_acc)); CHECK(cudaFree(o_max)); CHECK(cudaFree(o_sum)); CHECK(cudaFree(out));
     }}
     return 0;
 }}

@@ -1,9 +1,11 @@
 """Decode attention over a quantized KV cache: the kernel, its dispatch and its limits.
 
-`decode_attention(queries, keys, values, scale, group_size, bits)` takes what mlx-lm's
-quantized attention takes (queries (B, Hq, L, D); keys and values as QuantizedKVCache
-returns them, (packed, scales, biases) views of its buffers) and returns (B, Hq, L, D).
-Every query position sees all N cached positions, as in a decode step.
+`decode_attention(queries, keys, values, scale, group_size, bits, first=None)` takes what
+mlx-lm's quantized attention takes (queries (B, Hq, L, D); keys and values as
+QuantizedKVCache returns them, (packed, scales, biases) views of its buffers) and returns
+(B, Hq, L, D). Every query position of batch row b sees cached positions first[b]..N-1, as
+in a decode step: `first` (B,) int32 is the left padding of a batch of sequences of
+different lengths (cache/batch.py's BatchQuantizedKVCache), None for none.
 
 The kernel (decode_attention.metal / .cu) reads K and V where the cache keeps them (the
 views' strides, no copy), in splits of CHUNK positions across the GPU; a second, small
@@ -17,6 +19,7 @@ is attention.c (kernels/cpu.py) for a float32 model's cache, the reference other
 from __future__ import annotations
 
 import struct
+from functools import lru_cache
 
 import mlx.core as mx
 
@@ -40,7 +43,7 @@ def _fits(queries: mx.array, keys, values, group_size: int, bits: int) -> bool:
             and b * hq * length < 65536 and -(-keys[0].shape[2] // CHUNK) < 65536)  # CUDA's grid y and z limits
 
 
-def kernel(queries, keys, values, scale: float, group_size: int, bits: int) -> mx.array:
+def kernel(queries, keys, values, scale: float, group_size: int, bits: int, first: mx.array | None = None) -> mx.array:
     b, hq, length, d = queries.shape
     hkv, n = keys[0].shape[1], keys[0].shape[2]
     rows = hq // hkv * length  # query rows per KV head: the group's heads, each position
@@ -48,13 +51,13 @@ def kernel(queries, keys, values, scale: float, group_size: int, bits: int) -> m
     splits = -(-n // CHUNK)
     fused = _fused()
     body = build(backend(), "decode_attention", "state+body+last" if fused else "body",
-                 ("q", "kw", "ks", "kb", "vw", "vs", "vb"),
+                 ("q", "kw", "ks", "kb", "vw", "vs", "vb", "first"),
                  ("state", "result") if fused else ("o_acc", "o_max", "o_sum"), contiguous=False)
     states = [(b * hkv, splits, rows, d), (b * hkv, splits, rows), (b * hkv, splits, rows)]
     # fused: the three states and a counter per (batch, KV head) in one float output
     state_size = b * hkv * splits * rows * (d + 2) + b * hkv
     outputs = body(
-        inputs=[q, *keys, *values],
+        inputs=[q, *keys, *values, _no_padding(b) if first is None else first.astype(mx.int32)],
         # T and S name the input dtypes though the body does not use them: MLX's CUDA
         # backend tells compiled kernels apart by name and template args only. The scale
         # travels as its float bits (fixed per model: one build, no per-call array).
@@ -82,6 +85,12 @@ def kernel(queries, keys, values, scale: float, group_size: int, bits: int) -> m
     return out.reshape(b, hq, length, d)
 
 
+@lru_cache(maxsize=64)
+def _no_padding(batch: int) -> mx.array:
+    """`first` for a batch without left padding: kept, so a decode step makes no array for it."""
+    return mx.zeros((batch,), mx.int32)
+
+
 def _fused() -> bool:
     return FUSED and backend() == "cuda"
 
@@ -91,17 +100,18 @@ def float_bits(x: float) -> int:
     return struct.unpack("<i", struct.pack("<f", x))[0]
 
 
-def _config(queries, keys, values, scale, group_size, bits) -> tuple:
+def _config(queries, keys, values, scale, group_size, bits, first=None) -> tuple:
+    # A padded batch is its own configuration: its first call is checked against the reference too.
     return (backend(), queries.shape[1] // keys[0].shape[1] * queries.shape[2], queries.shape[3], bits,
-            group_size, str(keys[1].dtype), str(queries.dtype), float_bits(scale), _fused())
+            group_size, str(keys[1].dtype), str(queries.dtype), float_bits(scale), _fused(), first is not None)
 
 
-def _kernel(queries, keys, values, scale, group_size, bits):
+def _kernel(queries, keys, values, scale, group_size, bits, first=None):
     """This build's kernel: the GPU one, or on the CPU build attention.c (kernels/cpu.py)."""
-    return (kernel if backend() else cpu.decode_attention)(queries, keys, values, scale, group_size, bits)
+    return (kernel if backend() else cpu.decode_attention)(queries, keys, values, scale, group_size, bits, first)
 
 
-def _takes(queries, keys, values, scale, group_size, bits) -> bool:
+def _takes(queries, keys, values, scale, group_size, bits, first=None) -> bool:
     if backend():
         return _fits(queries, keys, values, group_size, bits)
     return cpu.attention_takes(queries, keys, values, group_size, bits)

@@ -78,7 +78,8 @@ def expert_swiglu(x: mx.array, indices: mx.array, gate: QuantizedExperts, up: Qu
         d, h, gate.bits, gate.group_size, _parallel(3 * pairs * d * h), hidden.ctypes.data, sums.ctypes.data,
         y.ctypes.data)
     if done != 0:
-        raise ValueError(f"experts.c does not take this shape: x {x.shape}, bits {gate.bits}, group {gate.group_size}")
+        raise ValueError(f"experts.c did not take this call (status {done}): x {x.shape}, bits {gate.bits}, "
+                         f"group {gate.group_size}")
     return mx.array(y).reshape(*lead, k, d)
 
 
@@ -100,7 +101,8 @@ def _strided(a: mx.array) -> tuple[np.ndarray, list[int]]:
     return view, [s // view.itemsize for s in view.strides[:3]]
 
 
-def decode_attention(queries: mx.array, keys, values, scale: float, group_size: int, bits: int) -> mx.array:
+def decode_attention(queries: mx.array, keys, values, scale: float, group_size: int, bits: int,
+                     first: mx.array | None = None) -> mx.array:
     """reference.decode_attention's result, computed by attention.c (call `attention_takes` first)."""
     b, hq, length, d = queries.shape
     hkv, n = keys[0].shape[1], keys[0].shape[2]
@@ -108,10 +110,13 @@ def decode_attention(queries: mx.array, keys, values, scale: float, group_size: 
     q = _contiguous(queries.reshape(b, hkv, rows, d))
     views = [_strided(a) for a in (*keys, *values)]
     strides = np.array([s for _, part in views for s in part], np.int64)
+    starts = None if first is None else np.ascontiguousarray(np.asarray(first), np.int32)
+    attended = n * b if starts is None else int(n * b - starts.sum())
     out = np.empty((b, hkv, rows, d), np.float32)
     done = cpu_blas.decode_kernel().lmsp_decode_attention(
-        q.ctypes.data, b, hkv, rows, d, n, *(v.ctypes.data for v, _ in views), strides.ctypes.data, bits, group_size,
-        scale, _parallel(2 * b * hkv * rows * n * d), out.ctypes.data)
+        q.ctypes.data, b, hkv, rows, d, n, *(v.ctypes.data for v, _ in views), strides.ctypes.data,
+        None if starts is None else starts.ctypes.data, bits, group_size, scale,
+        _parallel(2 * hkv * rows * attended * d), out.ctypes.data)
     if done != 0:
         raise ValueError(f"attention.c did not take this call (status {done}): queries {queries.shape}, "
                          f"bits {bits}, group {group_size}")

@@ -101,7 +101,10 @@ constexpr int EPL = D / 32;
 const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
 const int bh = blockIdx.y, split = blockIdx.z, splits = gridDim.z;
 const int hkv = kw_shape[1], b = bh / hkv, h = bh % hkv;
-const int start = split * CHUNK, stop = min(start + CHUNK, kw_shape[2]);
+// A batch row attends from its `first` position: the positions before it are the left
+// padding of a batch of sequences of different lengths (a split wholly inside it is empty).
+const int stop = min(split * CHUNK + CHUNK, kw_shape[2]);
+const int start = max(split * CHUNK, int(first[b]));
 const float scale = __int_as_float(SCALE);
 const int e0 = lane * EPL;
 const float neg_inf = -cuda::std::numeric_limits<float>::infinity();

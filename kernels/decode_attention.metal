@@ -78,7 +78,10 @@ const uint warp = simdgroup_index_in_threadgroup;
 const int bh = threadgroup_position_in_grid.y, split = threadgroup_position_in_grid.z;
 const int splits = threadgroups_per_grid.z;
 const int hkv = kw_shape[1], b = bh / hkv, h = bh % hkv;
-const int start = split * CHUNK, stop = min(start + CHUNK, kw_shape[2]);
+// A batch row attends from its `first` position: the positions before it are the left
+// padding of a batch of sequences of different lengths (a split wholly inside it is empty).
+const int stop = min(split * CHUNK + CHUNK, kw_shape[2]);
+const int start = max(split * CHUNK, int(first[b]));
 const float scale = as_type<float>(SCALE);
 const int e0 = lane * EPL;
 

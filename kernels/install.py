@@ -3,10 +3,13 @@
 - MoE layers: each SwitchGLU whose three projections are affine-quantized
   QuantizedSwitchLinear (qwen3_moe, deepseek_v2/v3, mixtral, ...) becomes a
   KernelSwitchGLU: the same module and parameters, whose decode and small-batch calls go
-  through expert_swiglu. Larger batches keep mlx-lm's sorted gather_qmm path, which is
-  what it is built for, and so does any call the dispatch gives no kernel (its `builtin`).
+  through expert_swiglu (under 64 token-expert pairs on a GPU; up to 64 tokens on the CPU
+  build, whose experts.c shares each chosen expert's reads across its tokens). Larger
+  batches keep mlx-lm's sorted gather_qmm path, which is what it is built for, and so does
+  any call the dispatch gives no kernel (its `builtin`).
 - Attention: the model module's `scaled_dot_product_attention` is wrapped so that a
-  one-position query against a QuantizedKVCache (`--kv-bits`) goes through
+  one-position query against a QuantizedKVCache (`--kv-bits`), or against a batch of them
+  (a BatchQuantizedKVCache: each row from its own first position), goes through
   decode_attention (the reference where its kernel does not run). On the CPU build a
   prompt chunk against such a cache runs on the cache dequantized (cpu.prefill_attention)
   rather than MLX's slow CPU quantized_matmul. Everything else is passed on unchanged.
@@ -26,14 +29,19 @@ from .dispatch import backend, mode
 from .experts import expert_swiglu
 from .quantized import QuantizedExperts
 
-SMALL_BATCH = 64  # token-expert pairs; from here mlx-lm sorts them and gather_qmm does well
+SMALL_BATCH = 64  # token-expert pairs on a GPU; from here mlx-lm sorts them and gather_qmm does well
+# Tokens on the CPU build, where experts.c reads a chosen expert once for all the tokens
+# that chose it (and gather_qmm, in float32 there, took 28 ms for one token's 8 experts of
+# a 30B-A3B layer): a batched decode step of up to 64 sequences; prompt chunks go to gather_qmm.
+CPU_TOKENS = 64
 
 
 class KernelSwitchGLU(SwitchGLU):
     """mlx-lm's SwitchGLU, with decode and small batches on the expert kernel."""
 
     def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
-        if indices.size >= SMALL_BATCH:
+        large = indices.size >= SMALL_BATCH if backend() else indices.size // indices.shape[-1] > CPU_TOKENS
+        if large:
             return super().__call__(x, indices)
         projections = (self.gate_proj, self.up_proj, self.down_proj)
         return expert_swiglu(x, mx.stop_gradient(indices), *(QuantizedExperts.of(p) for p in projections),
@@ -69,8 +77,11 @@ def _wrap_attention(module) -> bool:
         # on the CPU build beat mlx-lm's two-quantized_matmul attention (1.1-1.9x at 8K-32K
         # positions in float32, 16x with float16 caches) and never holds an N-long score row.
         if hasattr(cache, "bits") and mode() != "off":
-            if sinks is None and queries.shape[2] == 1 and (mask is None or isinstance(mask, str)):
-                return decode_attention(queries, keys, values, scale, cache.group_size, cache.bits)
+            # A batch of sequences (cache/batch.py's BatchQuantizedKVCache) has a left-padded
+            # mask; its padding is all the mask says for one position, and goes as `first`.
+            first = getattr(cache, "left_padding", None)
+            if sinks is None and queries.shape[2] == 1 and (mask is None or isinstance(mask, str) or first is not None):
+                return decode_attention(queries, keys, values, scale, cache.group_size, cache.bits, first)
             if backend() is None and keys[0].shape[-1] == values[0].shape[-1]:  # a prompt chunk, CPU build
                 return cpu.prefill_attention(queries, keys, values, scale, mask, cache.group_size, cache.bits,
                                              sinks)

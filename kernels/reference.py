@@ -38,12 +38,13 @@ def expert_swiglu(x: mx.array, indices: mx.array, gate: QuantizedExperts, up: Qu
 
 def decode_attention(queries: mx.array, keys: tuple[mx.array, mx.array, mx.array],
                      values: tuple[mx.array, mx.array, mx.array], scale: float, group_size: int,
-                     bits: int) -> mx.array:
+                     bits: int, first: mx.array | None = None) -> mx.array:
     """Attention of a few query positions (decode: one) against a quantized KV cache.
 
     queries: (B, Hq, L, D); keys, values: (packed, scales, biases) as mlx-lm's
-    QuantizedKVCache returns them, (B, Hkv, N, ...); every query sees all N positions
-    (no mask: the decode step's last position). Grouped-query heads: query head h reads
+    QuantizedKVCache returns them, (B, Hkv, N, ...); every query of batch row b sees
+    positions first[b]..N-1 (no causal mask: the decode step's last position; `first`,
+    (B,) int32, is a batch's left padding, None for none). Grouped-query heads: query head h reads
     KV head h // (Hq / Hkv). The softmax is online over blocks of positions, so no
     N-long score row is ever held. Returns (B, Hq, L, Dv) in the queries' dtype, Dv the
     values' head size (the keys' for most models)."""
@@ -60,9 +61,13 @@ def decode_attention(queries: mx.array, keys: tuple[mx.array, mx.array, mx.array
         k = mx.dequantize(*(a[:, :, part] for a in keys), group_size, bits).astype(mx.float32)
         v = mx.dequantize(*(a[:, :, part] for a in values), group_size, bits).astype(mx.float32)
         scores = q @ k.swapaxes(-1, -2)  # (B, Hkv, rows, block)
+        if first is not None:  # a row's left padding scores -inf, and a block wholly inside it adds nothing
+            padding = mx.arange(part.start, part.stop) < first.reshape(b, 1, 1, 1)
+            scores = mx.where(padding, -mx.inf, scores)
         new_top = mx.maximum(top, scores.max(-1, keepdims=True))
-        p = mx.exp(scores - new_top)
-        fade = mx.exp(top - new_top)
+        shift = mx.where(new_top == -mx.inf, 0.0, new_top)  # no -inf - -inf
+        p = mx.exp(scores - shift)
+        fade = mx.exp(top - shift)
         total = total * fade + p.sum(-1, keepdims=True)
         acc = acc * fade + p @ v
         top = new_top

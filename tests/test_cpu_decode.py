@@ -139,12 +139,58 @@ def test_a_short_chunk_as_rows_of_the_batched_step_is_its_tokens_stepped_one_by_
         assert np.array_equal(np.array(mine.keys[..., :n, :]), np.array(theirs.keys[..., :n, :]))
 
 
-def test_the_batched_step_takes_plain_caches_only():
-    model = tiny("llama")
+def test_the_batched_step_takes_one_kind_of_cache_at_a_time():
+    model = tiny("llama", head_dim=64)
     assert cpu_decode.install(model)
-    assert model.batch_step.takes(make_prompt_cache(model))
-    assert not model.batch_step.takes([QuantizedKVCache(group_size=32, bits=4) for _ in model.layers])
-    assert model.batch_step([[1], [2]], [make_prompt_cache(model), [QuantizedKVCache() for _ in model.layers]]) is None
+    four = lambda: [QuantizedKVCache(group_size=32, bits=4) for _ in model.layers]  # noqa: E731
+    assert model.batch_step.kind(make_prompt_cache(model)) == (0, 0)
+    assert model.batch_step.kind(four()) == (4, 32)
+    # a plain and a quantized cache, or two widths, in one call: nothing written, the caller steps them apart
+    assert model.batch_step([[1], [2]], [make_prompt_cache(model), four()]) is None
+    assert model.batch_step([[1], [2]], [four(), [QuantizedKVCache(group_size=64, bits=8) for _ in model.layers]]) is None
+
+
+@pytest.mark.parametrize("bits, group", [(4, 32), (8, 64)])
+def test_the_batched_step_over_quantized_caches_gives_each_sequence_bitwise_its_own_steps_logits(bits, group,
+                                                                                                monkeypatch):
+    """--kv-bits sequences of different lengths (several attention splits, one past a cache
+    growth), each on its own quantized cache, stepped together: each row is bitwise what
+    the one-sequence step gives it (its attention split as that step splits it), and the
+    caches hold the same codes."""
+    model = tiny("llama", head_dim=64, num_attention_heads=6, num_key_value_heads=2)
+    assert cpu_decode.install(model)
+    prompts = [[3], [t % 300 for t in range(5, 1305)], [4] * 255, [9, 8, 7]]
+
+    def prefilled(prompt):
+        cache = [QuantizedKVCache(group_size=group, bits=bits) for _ in model.layers]
+        if len(prompt) > 1:
+            model(mx.array([prompt[:-1]]), cache=cache)
+            mx.eval([c.state for c in cache])
+        return cache
+
+    alone, alone_caches = [], []
+    for prompt in prompts:
+        cache, token, rows = prefilled(prompt), prompt[-1], []
+        for _ in range(3):
+            rows.append(np.array(model(mx.array([[token]]), cache=cache)[0, -1]))
+            token = int(np.argmax(rows[-1]))
+        alone.append(rows)
+        alone_caches.append(cache)
+    calls = counted(model.batch_step, "lmsp_decode_batch", monkeypatch)
+    caches, tokens, rows = [prefilled(p) for p in prompts], [p[-1] for p in prompts], [[] for _ in prompts]
+    for _ in range(3):
+        logits = np.array(model.batch_step([[t] for t in tokens], caches))
+        for i, row in enumerate(logits):
+            rows[i].append(row)
+        tokens = [int(np.argmax(r)) for r in logits]
+    assert len(calls) == 3
+    for mine, theirs in zip(rows, alone):
+        assert all(np.array_equal(a, b) for a, b in zip(mine, theirs))
+    for mine, theirs in zip(caches, alone_caches):
+        end = theirs[0].offset
+        assert mine[0].offset == end
+        assert all(np.array_equal(np.array(a[..., :end, :]), np.array(b[..., :end, :]))
+                   for m, t in zip(mine, theirs) for a, b in zip((*m.keys, *m.values), (*t.keys, *t.values)))
 
 
 def counted(holder, function: str, monkeypatch) -> list[int]:

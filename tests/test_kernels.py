@@ -232,7 +232,7 @@ def use_cpu_build(build: str, threads: str, request, monkeypatch) -> None:
 @pytest.mark.parametrize("build, threads", [("installed", "all"), ("installed", "one"), ("portable", "all")])
 @pytest.mark.parametrize("bits", [2, 3, 4, 8])
 @pytest.mark.parametrize("group_size", [32, 64])
-@pytest.mark.parametrize("tokens, k", [(1, 8), (3, 2)])
+@pytest.mark.parametrize("tokens, k", [(1, 8), (3, 2), (12, 4)])  # 12 x 4 of 10 experts: shared ones
 def test_the_cpu_expert_kernel_matches_the_reference(bits, group_size, tokens, k, build, threads, request,
                                                      monkeypatch):
     use_cpu_build(build, threads, request, monkeypatch)
@@ -305,11 +305,25 @@ def test_the_cpu_attention_kernel_leaves_what_it_cannot_read_to_the_fallback():
 
 
 @needs_cpu_kernel
+def test_tokens_that_share_experts_get_what_each_gets_alone():
+    """A batch's tokens share their experts' reads (the work goes expert by expert); each
+    token's sums run as they do alone, so its output is bitwise the same."""
+    d, h, experts = 256, 128, 6
+    gate, up = (quantized_experts(experts, h, d, 32, 4) for _ in range(2))
+    down = quantized_experts(experts, d, h, 32, 4)
+    x = mx.random.normal((16, d))
+    indices = mx.array([[t % 3, 3 + t % 2] for t in range(16)], mx.uint32)  # 5 experts among 16 tokens
+    together = np.array(cpu_kernel.expert_swiglu(x, indices, gate, up, down))
+    alone = [np.array(cpu_kernel.expert_swiglu(x[t : t + 1], indices[t : t + 1], gate, up, down)) for t in range(16)]
+    assert np.array_equal(together, np.concatenate(alone))
+
+
+@needs_cpu_kernel
 def test_the_cpu_expert_kernel_refuses_what_it_cannot_read():
     gate, up = (quantized_experts(4, 64, 128, 32, 4) for _ in range(2))
     down = quantized_experts(4, 128, 64, 32, 4)
     x = mx.random.normal((1, 128))
-    with pytest.raises(ValueError, match="does not take"):  # an expert id past the table: no read out of bounds
+    with pytest.raises(ValueError, match="did not take this call .status -1"):  # an expert id past the table: no read out of bounds
         cpu_kernel.expert_swiglu(x, mx.array([[1, 4]], mx.uint32), gate, up, down)
     half = [p._replace(scales=p.scales.astype(mx.float16)) for p in (gate, up, down)]
     assert not cpu_kernel.expert_takes(x, mx.array([[1, 2]], mx.uint32), *half)  # half scales: the reference runs
@@ -524,13 +538,15 @@ HALF, BF16, U32 = "__half", "__nv_bfloat16", "uint32_t"
 CUDA_BUILDS = {
     "decode_attention, float16 cache, 8 query rows of 128": (
         "decode_attention", "body",
-        [("q", BF16), ("kw", U32), ("ks", HALF), ("kb", HALF), ("vw", U32), ("vs", HALF), ("vb", HALF)],
+        [("q", BF16), ("kw", U32), ("ks", HALF), ("kb", HALF), ("vw", U32), ("vs", HALF), ("vb", HALF),
+         ("first", "int32_t")],
         [("o_acc", "float"), ("o_max", "float"), ("o_sum", "float")],
         [("T", BF16), ("S", HALF), ("D", 128), ("G", 8), ("BITS", 4), ("GS", 64), ("WARPS", 4), ("BATCH", 4),
          ("CHUNK", 256), ("SCALE", 1040187392)]),  # 0.125
     "decode_attention in one launch (state+body+last), float16 cache, 8 query rows of 128": (
         "decode_attention", "state+body+last",
-        [("q", BF16), ("kw", U32), ("ks", HALF), ("kb", HALF), ("vw", U32), ("vs", HALF), ("vb", HALF)],
+        [("q", BF16), ("kw", U32), ("ks", HALF), ("kb", HALF), ("vw", U32), ("vs", HALF), ("vb", HALF),
+         ("first", "int32_t")],
         [("state", "float"), ("result", BF16)],
         [("T", BF16), ("S", HALF), ("D", 128), ("G", 8), ("BITS", 4), ("GS", 64), ("WARPS", 4), ("BATCH", 4),
          ("CHUNK", 256), ("SCALE", 1040187392)]),
@@ -639,7 +655,7 @@ def test_attention_kernel_source_computes_its_reference(dialect, bits, group_siz
     keys, values = (tuple(mx.array(a)[:, :, :n] for a in buffers[p]) for p in "kv")
     q, scale = mx.random.normal((1, hq, 1, d)), d**-0.5
     rows, splits = hq // hkv, -(-n // attention_module.CHUNK)
-    inputs = {"q": np.array(q.reshape(1, hq, d))}
+    inputs = {"q": np.array(q.reshape(1, hq, d)), "first": np.zeros(1, np.int32)}
     for p in "kv":
         inputs |= {p + part: a[:, :, :n] for part, a in zip("wsb", buffers[p])}  # strided numpy views
     parts = simt.run("decode_attention", "body", dialect, inputs,
@@ -686,13 +702,19 @@ def test_the_one_launch_attention_source_merges_many_splits_of_a_batch(monkeypat
     keys, values = (tuple(mx.array(a)[:, :, :n] for a in buffers[p]) for p in "kv")
     q, scale = mx.random.normal((batch, hq, 1, d)), d**-0.5
     rows, splits = hq // hkv, -(-n // 32)
-    inputs = {"q": np.array(q.reshape(batch, hq, d))}
+    # The second sequence is 803 positions long, left-padded by 297: its first 9 splits are
+    # wholly padding (empty states the merge must skip), the 10th starts mid-split.
+    first = mx.array([0, 297], mx.int32)
+    inputs = {"q": np.array(q.reshape(batch, hq, d)), "first": np.array(first)}
     for p in "kv":
         inputs |= {p + part: a[:, :, :n] for part, a in zip("wsb", buffers[p])}
     got = run_one_launch(inputs, batch, hkv, rows, d, bits, group_size, scale)
     assert splits == 35
     assert rel_err(got.reshape(batch, hq, 1, d), reference.decode_attention(q, keys, values, scale, group_size,
-                                                                            bits)) < 1e-5
+                                                                            bits, first)) < 1e-5
+    alone = reference.decode_attention(q[1:], tuple(a[1:, :, 297:] for a in keys), tuple(a[1:, :, 297:] for a in values),
+                                       scale, group_size, bits)
+    assert rel_err(got.reshape(batch, hq, 1, d)[1:], alone) < 1e-5  # the padding is as if it were not there
     template = {"T": "float", "S": "float", "D": d, "G": rows, "BITS": bits, "GS": group_size,
                 "WARPS": attention_module.WARPS, "BATCH": attention_module.BATCH, "CHUNK": 32,
                 "SCALE": attention_module.float_bits(scale)}
@@ -705,6 +727,42 @@ def test_the_one_launch_attention_source_merges_many_splits_of_a_batch(monkeypat
                    {"out": (batch * hkv * rows, d)}, {"T": "float", "D": d, "G": rows},
                    grid=(1, batch * hkv * rows, 1), threads=32)
     assert np.array_equal(got, out["out"])
+
+
+@pytest.mark.skipif(shutil.which("g++") is None, reason="no g++ to build the SIMT emulation")
+@pytest.mark.parametrize("dialect", DIALECTS)
+def test_the_attention_sources_skip_each_rows_left_padding(dialect):
+    """A batch of sequences of different lengths (BatchQuantizedKVCache's layout): row 1
+    starts at position 270, so its first split is wholly padding and its second starts
+    inside it; each row gets what it gets alone."""
+    import simt
+
+    batch, hq, hkv, n, d, bits, group_size = 2, 4, 2, 300, 32, 4, 32
+    buffers = {p: [np.array(a) for a in mx.quantize(mx.random.normal((batch, hkv, n, d)), group_size, bits)]
+               for p in "kv"}
+    keys, values = (tuple(mx.array(a) for a in buffers[p]) for p in "kv")
+    q, scale, first = mx.random.normal((batch, hq, 1, d)), d**-0.5, mx.array([0, 270], mx.int32)
+    rows, splits = hq // hkv, -(-n // attention_module.CHUNK)
+    inputs = {"q": np.array(q.reshape(batch, hq, d)), "first": np.array(first)}
+    for p in "kv":
+        inputs |= {p + part: a for part, a in zip("wsb", buffers[p])}
+    template = {"T": "float", "S": "float", "D": d, "G": rows, "BITS": bits, "GS": group_size,
+                "WARPS": attention_module.WARPS, "BATCH": attention_module.BATCH, "CHUNK": attention_module.CHUNK,
+                "SCALE": attention_module.float_bits(scale)}
+    parts = simt.run("decode_attention", "body", dialect, inputs,
+                     {"o_acc": (batch * hkv, splits, rows, d), "o_max": (batch * hkv, splits, rows),
+                      "o_sum": (batch * hkv, splits, rows)}, template,
+                     grid=(1, batch * hkv, splits), threads=32 * attention_module.WARPS)
+    out = simt.run("decode_attention", "merge", dialect,
+                   {"acc": parts["o_acc"], "tops": parts["o_max"], "totals": parts["o_sum"]},
+                   {"out": (batch * hkv * rows, d)}, {"T": "float", "D": d, "G": rows},
+                   grid=(1, batch * hkv * rows, 1), threads=32)
+    got = out["out"].reshape(batch, hq, 1, d)
+    for b in range(batch):
+        start = int(first[b].item())
+        alone = reference.decode_attention(q[b : b + 1], tuple(a[b : b + 1, :, start:] for a in keys),
+                                           tuple(a[b : b + 1, :, start:] for a in values), scale, group_size, bits)
+        assert rel_err(got[b : b + 1], alone) < 1e-5, b
 
 
 @pytest.mark.skipif(shutil.which("g++") is None, reason="no g++ to build the SIMT emulation")

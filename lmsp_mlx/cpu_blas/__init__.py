@@ -118,7 +118,7 @@ def declare_decode(lib: ctypes.CDLL) -> ctypes.CDLL:
     """`lib` (a build of decode.c, experts.c and attention.c) with its functions' C signatures set."""
     lib.lmsp_decode_step.argtypes = [ctypes.c_void_p, ctypes.c_int32, ctypes.c_int32] + [ctypes.c_void_p] * 4
     lib.lmsp_decode_step.restype = ctypes.c_int
-    lib.lmsp_decode_batch.argtypes = ([ctypes.c_void_p, ctypes.c_int32] + [ctypes.c_void_p] * 7 + [ctypes.c_int32]
+    lib.lmsp_decode_batch.argtypes = ([ctypes.c_void_p, ctypes.c_int32] + [ctypes.c_void_p] * 6 + [ctypes.c_int32]
                                       + [ctypes.c_void_p] * 3)
     lib.lmsp_decode_batch.restype = ctypes.c_int
     lib.lmsp_decode_batch_scratch.argtypes = [ctypes.c_void_p, ctypes.c_int32, ctypes.c_void_p]
@@ -126,7 +126,7 @@ def declare_decode(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.lmsp_expert_swiglu.argtypes = ([ctypes.c_void_p] * 2 + [ctypes.c_int64] * 3 + [ctypes.c_void_p] * 9
                                        + [ctypes.c_int64] * 2 + [ctypes.c_int] * 3 + [ctypes.c_void_p] * 3)
     lib.lmsp_expert_swiglu.restype = ctypes.c_int
-    lib.lmsp_decode_attention.argtypes = ([ctypes.c_void_p] + [ctypes.c_int64] * 5 + [ctypes.c_void_p] * 7
+    lib.lmsp_decode_attention.argtypes = ([ctypes.c_void_p] + [ctypes.c_int64] * 5 + [ctypes.c_void_p] * 8
                                           + [ctypes.c_int] * 2 + [ctypes.c_float, ctypes.c_int, ctypes.c_void_p])
     lib.lmsp_decode_attention.restype = ctypes.c_int
     lib.lmsp_quantize_row.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_int] + [ctypes.c_void_p] * 3

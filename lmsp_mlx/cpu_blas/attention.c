@@ -281,14 +281,17 @@ void lmsp_attention_merge(int fast, const float *tops, const float *totals, cons
 
 /* out (batch, heads, rows, d) = softmax(q k^T * scale) v for each KV head's `rows` query
  * rows q (batch, heads, rows, d), contiguous. `strides` holds 18 element strides: (batch,
- * head, row) for kw, ks, kb, vw, vs, vb. `parallel`: across the cores (OpenMP), else on the
- * calling thread (kernels/cpu.py decides). Returns 0, -1 for a shape it does not take, -2
- * when out of memory. */
+ * head, row) for kw, ks, kb, vw, vs, vb. Batch row b attends positions first[b]..n-1 (its
+ * left padding is skipped: a batch of sequences of different lengths); first NULL: all n.
+ * `parallel`: across the cores (OpenMP), else on the calling thread (kernels/cpu.py
+ * decides). Returns 0, -1 for a shape it does not take, -2 when out of memory. */
 int lmsp_decode_attention(const float *q, int64_t batch, int64_t heads, int64_t rows, int64_t d, int64_t n,
                           const uint32_t *kw, const float *ks, const float *kb, const uint32_t *vw, const float *vs,
-                          const float *vb, const int64_t *strides, int bits, int group, float scale, int parallel,
-                          float *out) {
+                          const float *vb, const int64_t *strides, const int32_t *first, int bits, int group,
+                          float scale, int parallel, float *out) {
     if (d % 32 || group % 32 || d % group || bits < 1 || bits > 8 || n < 1 || rows < 1) return -1;
+    for (int64_t b = 0; first && b < batch; b++)
+        if (first[b] < 0 || first[b] >= n) return -1; /* a row with nothing to attend */
     Rows keys = {kw, ks, kb, {0}, {0}, {0}}, values = {vw, vs, vb, {0}, {0}, {0}};
     for (int i = 0; i < 3; i++) {
         keys.ws[i] = strides[i], keys.ss[i] = strides[3 + i], keys.bs[i] = strides[6 + i];
@@ -309,10 +312,15 @@ int lmsp_decode_attention(const float *q, int64_t batch, int64_t heads, int64_t 
 #pragma omp for schedule(dynamic)
             for (int64_t t = 0; t < tasks; t++) {
                 if (scratch == NULL) continue;
-                const int64_t bh = t / splits, p0 = t % splits * SPLIT;
-                lmsp_attention_split(fast, qs + bh * rows * d, &keys, &values, bh / heads, bh % heads, p0,
-                                     p0 + SPLIT < n ? p0 + SPLIT : n, rows, d, bits, group, tops + t * rows,
-                                     totals + t * rows, accs + t * rows * d, scratch);
+                const int64_t bh = t / splits, s0 = t % splits * SPLIT, p1 = s0 + SPLIT < n ? s0 + SPLIT : n;
+                const int64_t from = first ? first[bh / heads] : 0, p0 = s0 > from ? s0 : from;
+                if (p0 >= p1) { /* a split wholly inside the row's padding: an empty state */
+                    for (int64_t r = 0; r < rows; r++) tops[t * rows + r] = -INFINITY, totals[t * rows + r] = 0.0f;
+                    memset(accs + t * rows * d, 0, sizeof(float) * rows * d);
+                    continue;
+                }
+                lmsp_attention_split(fast, qs + bh * rows * d, &keys, &values, bh / heads, bh % heads, p0, p1, rows,
+                                     d, bits, group, tops + t * rows, totals + t * rows, accs + t * rows * d, scratch);
             }
             free(scratch);
         }

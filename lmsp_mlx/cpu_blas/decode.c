@@ -255,6 +255,17 @@ static void free_quantized(QuantizedStep *qa) {
     free(qa->qs), free(qa->tops), free(qa->totals), free(qa->accs), free(qa->scratch);
 }
 
+/* Positions an attention task takes over a quantized cache of n positions. About four
+ * tasks a thread: with whole 512-position splits a short context had only n_kv_heads tasks
+ * (3 for SmolLM2 on 2 threads, one thread idle part of the time; the balance gained 0-5%
+ * of the step at 256-4K positions, within this machine's noise). The batched step splits
+ * each sequence as this step would alone, so its attention sums in the same order. */
+static int64_t quantized_split(const lmsp_model *m, int64_t n, int64_t threads) {
+    int64_t split = (n * m->n_kv_heads + 4 * threads - 1) / (4 * threads);
+    split = (split + 31) / 32 * 32;
+    return split < 64 ? 64 : split > LMSP_SPLIT ? LMSP_SPLIT : split;
+}
+
 /* The step's state for a quantized cache of n positions; 0, or -1 out of memory. */
 static int prepare_quantized(const lmsp_model *m, int64_t n, QuantizedStep *qa) {
     const int64_t hd = m->head_dim, nkv = m->n_kv_heads;
@@ -264,12 +275,7 @@ static int prepare_quantized(const lmsp_model *m, int64_t n, QuantizedStep *qa) 
     const int64_t threads = 1;
 #endif
     qa->fast = lmsp_attention_fast(m->kv_bits);
-    /* About four tasks a thread: with whole 512-position splits a short context had only
-     * n_kv_heads tasks (3 for SmolLM2 on 2 threads, one thread idle part of the time;
-     * the balance gained 0-5% of the step at 256-4K positions, within this machine's noise). */
-    int64_t split = (n * nkv + 4 * threads - 1) / (4 * threads);
-    split = (split + 31) / 32 * 32;
-    qa->split = split < 64 ? 64 : split > LMSP_SPLIT ? LMSP_SPLIT : split;
+    qa->split = quantized_split(m, n, threads);
     qa->rows = m->n_heads / nkv, qa->splits = (n + qa->split - 1) / qa->split;
     qa->words = hd * m->kv_bits / 32, qa->groups = hd / m->kv_group;
     qa->per_thread = lmsp_attention_scratch(qa->rows, hd) + hd;
@@ -424,26 +430,138 @@ int64_t lmsp_decode_batch_scratch(const lmsp_model *m, int32_t nb, const int32_t
                  2 * (int64_t)m->hidden) + (int64_t)m->n_heads * positions;
 }
 
+/* A quantized batch's attention state: each row's (KV head, split) tasks, numbered across
+ * the batch (row s's start at task_at[s], split[s] positions each), their softmax states,
+ * and the rows' scaled queries. Allocated once a step, shared by the layers. */
+typedef struct {
+    int fast;
+    int64_t tasks, per_thread;
+    int64_t *task_at, *split;
+    int32_t *task_row;
+    float *qs, *tops, *totals, *accs, *scratch;
+} BatchQuantized;
+
+static void free_batch_quantized(BatchQuantized *bq) {
+    free(bq->task_at), free(bq->split), free(bq->task_row);
+    free(bq->qs), free(bq->tops), free(bq->totals), free(bq->accs), free(bq->scratch);
+}
+
+static int prepare_batch_quantized(const lmsp_model *m, int64_t nb, const int32_t *pos, BatchQuantized *bq) {
+    const int64_t hd = m->head_dim, nkv = m->n_kv_heads, rows = m->n_heads / nkv;
+#ifdef _OPENMP
+    const int64_t threads = omp_get_max_threads();
+#else
+    const int64_t threads = 1;
+#endif
+    bq->fast = lmsp_attention_fast(m->kv_bits);
+    bq->task_at = malloc(sizeof(int64_t) * (nb + 1)), bq->split = malloc(sizeof(int64_t) * nb);
+    if (!bq->task_at || !bq->split) return free_batch_quantized(bq), -1;
+    bq->task_at[0] = 0;
+    for (int64_t s = 0; s < nb; s++) {
+        const int64_t n = (int64_t)pos[s] + 1;
+        bq->split[s] = quantized_split(m, n, threads);
+        bq->task_at[s + 1] = bq->task_at[s] + nkv * ((n + bq->split[s] - 1) / bq->split[s]);
+    }
+    bq->tasks = bq->task_at[nb];
+    bq->per_thread = lmsp_attention_scratch(rows, hd) + hd;
+    bq->task_row = malloc(sizeof(int32_t) * bq->tasks);
+    bq->qs = malloc(sizeof(float) * nb * m->n_heads * hd);
+    bq->tops = malloc(sizeof(float) * bq->tasks * rows), bq->totals = malloc(sizeof(float) * bq->tasks * rows);
+    bq->accs = malloc(sizeof(float) * bq->tasks * rows * hd);
+    bq->scratch = malloc(sizeof(float) * threads * bq->per_thread);
+    if (!bq->task_row || !bq->qs || !bq->tops || !bq->totals || !bq->accs || !bq->scratch)
+        return free_batch_quantized(bq), -1;
+    for (int64_t s = 0; s < nb; s++)
+        for (int64_t t = bq->task_at[s]; t < bq->task_at[s + 1]; t++) bq->task_row[t] = (int32_t)s;
+    return 0;
+}
+
+static lmsp_rows part_rows(const uint32_t *w, const float *sc, const float *b, int64_t cap, int64_t words,
+                           int64_t groups) {
+    lmsp_rows r = {w, sc, b, {0}, {0}, {0}};
+    r.ws[1] = cap * words, r.ws[2] = words;
+    r.ss[1] = r.bs[1] = cap * groups, r.ss[2] = r.bs[2] = groups;
+    return r;
+}
+
+/* Layer l's attention for every row over its own quantized cache, by this thread's share
+ * of the team: each row's tasks exactly as its step alone splits them, then each (row, KV
+ * head)'s merge; q is scaled and reordered in bq->qs. */
+static void attend_batch_quantized(const lmsp_model *m, int64_t l, int64_t nb, const int32_t *pos, const int32_t *cap,
+                                   const lmsp_cache *caches, const BatchQuantized *bq, float *att) {
+    const int64_t hd = m->head_dim, nkv = m->n_kv_heads, rows = m->n_heads / nkv, L = m->n_layers;
+    const int64_t words = hd * m->kv_bits / 32, groups = hd / m->kv_group;
+#ifdef _OPENMP
+    float *scratch = bq->scratch + omp_get_thread_num() * bq->per_thread;
+#else
+    float *scratch = bq->scratch;
+#endif
+#pragma omp for schedule(dynamic)
+    for (int64_t t = 0; t < bq->tasks; t++) {
+        const int64_t s = bq->task_row[t], local = t - bq->task_at[s], n = (int64_t)pos[s] + 1;
+        const int64_t splits = (bq->task_at[s + 1] - bq->task_at[s]) / nkv, head = local / splits;
+        const int64_t p0 = local % splits * bq->split[s], p1 = p0 + bq->split[s] < n ? p0 + bq->split[s] : n;
+        const lmsp_cache *c = &caches[s * L + l];
+        const lmsp_rows keys = part_rows(c->key_codes, c->key_scales, c->key_biases, cap[s], words, groups);
+        const lmsp_rows values = part_rows(c->value_codes, c->value_scales, c->value_biases, cap[s], words, groups);
+        lmsp_attention_split(bq->fast, bq->qs + (s * m->n_heads + head * rows) * hd, &keys, &values, 0, head, p0, p1,
+                             rows, hd, m->kv_bits, m->kv_group, bq->tops + t * rows, bq->totals + t * rows,
+                             bq->accs + t * rows * hd, scratch);
+    }
+#pragma omp for schedule(static)
+    for (int64_t u = 0; u < nb * nkv; u++) {
+        const int64_t s = u / nkv, head = u % nkv, splits = (bq->task_at[s + 1] - bq->task_at[s]) / nkv;
+        const int64_t first = bq->task_at[s] + head * splits;
+        lmsp_attention_merge(bq->fast, bq->tops + first * rows, bq->totals + first * rows, bq->accs + first * rows * hd,
+                             splits, rows, hd, m->kv_bits, att + (s * m->n_heads + head * rows) * hd,
+                             scratch + bq->per_thread - hd);
+    }
+}
+
+/* Row s's new K and V (n_kv_heads x head_dim each) into its cache of layer l at pos[s]:
+ * copied into a plain cache, quantized as mx.quantize does into a quantized one. */
+static void store_row(const lmsp_model *m, const lmsp_cache *c, int64_t cap, int64_t pos, const float *k,
+                      const float *v) {
+    const int64_t hd = m->head_dim;
+    for (int64_t j = 0; j < m->n_kv_heads; j++) {
+        const int64_t row = j * cap + pos;
+        if (!m->kv_bits) {
+            memcpy(c->keys + row * hd, k + j * hd, (size_t)hd * sizeof(float));
+            memcpy(c->values + row * hd, v + j * hd, (size_t)hd * sizeof(float));
+            continue;
+        }
+        const int64_t words = hd * m->kv_bits / 32, groups = hd / m->kv_group;
+        lmsp_quantize_row(k + j * hd, hd, m->kv_bits, m->kv_group, c->key_codes + row * words,
+                          c->key_scales + row * groups, c->key_biases + row * groups);
+        lmsp_quantize_row(v + j * hd, hd, m->kv_bits, m->kv_group, c->value_codes + row * words,
+                          c->value_scales + row * groups, c->value_biases + row * groups);
+    }
+}
+
 /*
- * One pass of `nb` rows, each a token at position pos[s] of a plain float32 cache: layer l's
- * K and V buffers are keys[s * n_layers + l] and values[...], each (n_kv_heads, cap[s],
- * head_dim), with room for pos[s] + 1 positions; K/V at pos[s] are written. A row is one
- * sequence's decode step, or one token of a short prompt chunk: consecutive rows on the
- * same cache at consecutive positions (every row's K/V is stored before any row attends,
- * so row s sees the chunk's earlier rows: causal, as a prefill). cos/sin: (nb, rope_dims / 2),
- * each row's rotation. Logits (n_out, vocab) are computed for rows out_rows[0..n_out-1]
- * only (a chunk needs its last row's). `scratch` holds lmsp_decode_batch_scratch floats.
- * The model's kv_bits must be 0 (a quantized cache's sequences step alone). Returns 0, or
- * -1 out of memory.
+ * One pass of `nb` rows, each a token at position pos[s] of its own cache: layer l's cache
+ * of row s is caches[s * n_layers + l] (model.h: plain float32 K and V, or with kv_bits a
+ * quantized cache's parts), (n_kv_heads, cap[s], ...) with room for pos[s] + 1 positions;
+ * K/V at pos[s] are written. A row is one sequence's decode step, or one token of a short
+ * prompt chunk: consecutive rows on the same cache at consecutive positions (every row's
+ * K/V is stored before any row attends, so row s sees the chunk's earlier rows: causal, as
+ * a prefill). cos/sin: (nb, rope_dims / 2), each row's rotation. Logits (n_out, vocab) are
+ * computed for rows out_rows[0..n_out-1] only (a chunk needs its last row's). `scratch`
+ * holds lmsp_decode_batch_scratch floats. A quantized cache's attention is attention.c's,
+ * each row split as its step alone splits it. Returns 0, or -1 out of memory.
  */
 int lmsp_decode_batch(const lmsp_model *m, int32_t nb, const int32_t *tokens, const int32_t *pos, const int32_t *cap,
-                      float *const *keys, float *const *values, const float *cos, const float *sin, int32_t n_out,
+                      const lmsp_cache *caches, const float *cos, const float *sin, int32_t n_out,
                       const int32_t *out_rows, float *logits, float *scratch) {
     const int64_t dim = m->dim, hd = m->head_dim, nh = m->n_heads, nkv = m->n_kv_heads, hidden = m->hidden;
     const int64_t L = m->n_layers, half = m->rope_dims / 2, group = nh / nkv, B = nb;
-    if (m->kv_bits) return -1;
+    BatchQuantized bq = {0};
+    if (m->kv_bits && prepare_batch_quantized(m, B, pos, &bq) != 0) return -1;
     int64_t *score_at = malloc(sizeof(int64_t) * (size_t)(B + 1));
-    if (!score_at) return -1;
+    if (!score_at) {
+        if (m->kv_bits) free_batch_quantized(&bq);
+        return -1;
+    }
     score_at[0] = 0;
     for (int64_t s = 0; s < B; s++) score_at[s + 1] = score_at[s] + nh * ((int64_t)pos[s] + 1);
     float *x = scratch, *h = x + B * dim, *q = h + B * dim, *k = q + B * nh * hd, *v = k + B * nkv * hd;
@@ -468,21 +586,23 @@ int lmsp_decode_batch(const lmsp_model *m, int32_t nb, const int32_t *tokens, co
                 add_bias(vs, ly->bv, nkv * hd);
                 for (int64_t j = 0; j < nh; j++) rope_head(qs + j * hd, m->rope_dims, cos + s * half, sin + s * half);
                 for (int64_t j = 0; j < nkv; j++) rope_head(ks + j * hd, m->rope_dims, cos + s * half, sin + s * half);
-                for (int64_t j = 0; j < nkv; j++) {
-                    const int64_t row = (j * cap[s] + pos[s]) * hd;
-                    memcpy(keys[s * L + l] + row, ks + j * hd, (size_t)hd * sizeof(float));
-                    memcpy(values[s * L + l] + row, vs + j * hd, (size_t)hd * sizeof(float));
-                }
+                store_row(m, &caches[s * L + l], cap[s], pos[s], ks, vs);
+                if (m->kv_bits) lmsp_attention_queries(bq.fast, qs, bq.qs + s * nh * hd, nh, hd, m->kv_bits, m->scale);
             }
+            if (m->kv_bits) {
+                attend_batch_quantized(m, l, B, pos, cap, caches, &bq, att);
+            } else {
 #pragma omp for schedule(dynamic)
-            for (int64_t t = 0; t < B * nh; t++) {
-                const int64_t s = t / nh, j = t % nh, n = (int64_t)pos[s] + 1, kv = j / group;
-                const float *ck = keys[s * L + l] + kv * cap[s] * hd, *cv = values[s * L + l] + kv * cap[s] * hd;
-                float *sc = scores + score_at[s] + j * n;
-                if (has_avx2() && hd % 8 == 0)
-                    attend_avx2(q + t * hd, ck, cv, sc, att + t * hd, n, hd, m->scale);
-                else
-                    attend(q + t * hd, ck, cv, sc, att + t * hd, n, hd, m->scale);
+                for (int64_t t = 0; t < B * nh; t++) {
+                    const int64_t s = t / nh, j = t % nh, n = (int64_t)pos[s] + 1, kv = j / group;
+                    const lmsp_cache *c = &caches[s * L + l];
+                    const float *ck = c->keys + kv * cap[s] * hd, *cv = c->values + kv * cap[s] * hd;
+                    float *sc = scores + score_at[s] + j * n;
+                    if (has_avx2() && hd % 8 == 0)
+                        attend_avx2(q + t * hd, ck, cv, sc, att + t * hd, n, hd, m->scale);
+                    else
+                        attend(q + t * hd, ck, cv, sc, att + t * hd, n, hd, m->scale);
+                }
             }
             gemm_part(ly->wo, att, x, dim, nh * hd, B, 1);
 #pragma omp barrier
@@ -504,5 +624,6 @@ int lmsp_decode_batch(const lmsp_model *m, int32_t nb, const int32_t *tokens, co
         gemm_part(m->head, picked, logits, m->vocab, dim, n_out, 0);
     }
     free(score_at);
+    if (m->kv_bits) free_batch_quantized(&bq);
     return 0;
 }

@@ -124,10 +124,38 @@ static inline float row(int fast, const uint32_t *w, const float *scales, const 
     return row_dot(w, scales, biases, x, xsum, n, bits, group);
 }
 
+/* The pairs grouped by expert (a stable counting sort): order[] lists them expert by
+ * expert, and expert run r is pairs order[at[r] .. at[r + 1] - 1] of expert run_expert[r].
+ * Returns the number of runs, or -1 out of memory (the arrays are then freed). */
+static int64_t group_by_expert(const uint32_t *idx, int64_t pairs, int64_t experts, int64_t **order, int64_t **at,
+                               int64_t **run_expert) {
+    int64_t *count = calloc((size_t)experts + 1, sizeof(int64_t));
+    *order = malloc(sizeof(int64_t) * pairs), *at = malloc(sizeof(int64_t) * (pairs + 1));
+    *run_expert = malloc(sizeof(int64_t) * pairs);
+    if (!count || !*order || !*at || !*run_expert) {
+        free(count), free(*order), free(*at), free(*run_expert);
+        return -1;
+    }
+    for (int64_t p = 0; p < pairs; p++) count[idx[p] + 1]++;
+    for (int64_t e = 0; e < experts; e++) count[e + 1] += count[e];
+    int64_t runs = 0;
+    for (int64_t e = 0; e < experts; e++)
+        if (count[e + 1] > count[e]) (*at)[runs] = count[e], (*run_expert)[runs++] = e;
+    (*at)[runs] = pairs;
+    for (int64_t p = 0; p < pairs; p++) (*order)[count[idx[p]]++] = p;
+    free(count);
+    return runs;
+}
+
 /* For each of the tokens * k (token, expert) pairs: y[pair] = down(silu(gate x) * up x).
  * x (tokens, d); idx (tokens * k) expert ids; hidden (pairs, h) and sums (tokens * d / 32 +
- * pairs * h / 32 floats) are scratch. `parallel`: across the cores (OpenMP), else on the
- * calling thread (kernels/cpu.py decides). Returns 0, or -1 for a shape it does not take. */
+ * pairs * h / 32 floats) are scratch. Pairs that share an expert share its weight reads:
+ * the work goes row by row of each chosen expert (sorted by expert, as gather_qmm's
+ * sorted_indices path), every pair of that expert meeting the row while it is in cache,
+ * so a batch reads each chosen expert once however many of its tokens chose it. Each
+ * pair's sums run in the order they do alone. `parallel`: across the cores (OpenMP), else
+ * on the calling thread (kernels/cpu.py decides). Returns 0, -1 for a shape it does not
+ * take, -2 out of memory. */
 LMSP_CLONES int lmsp_expert_swiglu(const float *x, const uint32_t *idx, int64_t tokens, int64_t k, int64_t experts,
                        const uint32_t *gw, const float *gs, const float *gb, const uint32_t *uw, const float *us,
                        const float *ub, const uint32_t *dw, const float *ds, const float *db, int64_t d, int64_t h,
@@ -136,6 +164,9 @@ LMSP_CLONES int lmsp_expert_swiglu(const float *x, const uint32_t *idx, int64_t 
     const int64_t pairs = tokens * k;
     for (int64_t p = 0; p < pairs; p++)
         if (idx[p] >= (uint64_t)experts) return -1;
+    int64_t *order, *at, *run_expert;
+    const int64_t runs = group_by_expert(idx, pairs, experts, &order, &at, &run_expert);
+    if (runs < 0) return -2;
     const int64_t d_words = d * bits / 32, h_words = h * bits / 32, d_groups = d / group, h_groups = h / group;
     float *xsums = sums, *hsums = sums + tokens * (d / 32);
     for (int64_t t = 0; t < tokens; t++) chunk_sums(x + t * d, xsums + t * (d / 32), d);
@@ -158,12 +189,17 @@ LMSP_CLONES int lmsp_expert_swiglu(const float *x, const uint32_t *idx, int64_t 
     const float *xin = fast ? xp : x, *hin = fast ? hp : hidden;
 
 #pragma omp parallel for schedule(static) if (parallel)
-    for (int64_t r = 0; r < pairs * h; r++) {
-        const int64_t p = r / h, row_ = (int64_t)idx[p] * h + r % h, t = p / k;
-        const float *xt = xin + t * d, *st = xsums + t * (d / 32);
-        const float g = row(fast, gw + row_ * d_words, gs + row_ * d_groups, gb + row_ * d_groups, xt, st, d, bits, group);
-        const float u = row(fast, uw + row_ * d_words, us + row_ * d_groups, ub + row_ * d_groups, xt, st, d, bits, group);
-        hidden[r] = g / (1.0f + expf(-g)) * u;
+    for (int64_t u = 0; u < runs * h; u++) {
+        const int64_t r = u / h, row_ = run_expert[r] * h + u % h;
+        for (int64_t i = at[r]; i < at[r + 1]; i++) {
+            const int64_t p = order[i], t = p / k;
+            const float *xt = xin + t * d, *st = xsums + t * (d / 32);
+            const float g = row(fast, gw + row_ * d_words, gs + row_ * d_groups, gb + row_ * d_groups, xt, st, d,
+                                bits, group);
+            const float v = row(fast, uw + row_ * d_words, us + row_ * d_groups, ub + row_ * d_groups, xt, st, d,
+                                bits, group);
+            hidden[p * h + u % h] = g / (1.0f + expf(-g)) * v;
+        }
     }
     for (int64_t p = 0; p < pairs; p++) chunk_sums(hidden + p * h, hsums + p * (h / 32), h);
 #if defined(__x86_64__)
@@ -172,12 +208,14 @@ LMSP_CLONES int lmsp_expert_swiglu(const float *x, const uint32_t *idx, int64_t 
 #endif
 
 #pragma omp parallel for schedule(static) if (parallel)
-    for (int64_t r = 0; r < pairs * d; r++) {
-        const int64_t p = r / d, row_ = (int64_t)idx[p] * d + r % d;
-        y[r] = row(fast, dw + row_ * h_words, ds + row_ * h_groups, db + row_ * h_groups, hin + p * h,
-                   hsums + p * (h / 32), h, bits, group);
+    for (int64_t u = 0; u < runs * d; u++) {
+        const int64_t r = u / d, row_ = run_expert[r] * d + u % d;
+        for (int64_t i = at[r]; i < at[r + 1]; i++) {
+            const int64_t p = order[i];
+            y[p * d + u % d] = row(fast, dw + row_ * h_words, ds + row_ * h_groups, db + row_ * h_groups,
+                                   hin + p * h, hsums + p * (h / 32), h, bits, group);
+        }
     }
-    free(xp);
-    free(hp);
+    free(xp), free(hp), free(order), free(at), free(run_expert);
     return 0;
 }

@@ -23,6 +23,15 @@ typedef struct {
     float *key_scales, *key_biases, *value_scales, *value_biases;
 } lmsp_layer;
 
+/* One sequence's cache of one layer in the batched step (lmsp_decode_batch): a plain one's
+ * K and V buffers, or a quantized one's parts (the model's kv_bits > 0), each with room
+ * for the sequence's capacity positions. */
+typedef struct {
+    float *keys, *values;
+    uint32_t *key_codes, *value_codes;
+    float *key_scales, *key_biases, *value_scales, *value_biases;
+} lmsp_cache;
+
 typedef struct {
     int32_t n_layers, dim, n_heads, n_kv_heads, head_dim, hidden, vocab, capacity, rope_dims;
     float eps, scale;

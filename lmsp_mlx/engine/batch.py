@@ -3,14 +3,17 @@ runs before it.
 
 The step feeds each sequence's pending token and hands each its own logits row, in one
 forward for all where it can:
-- the CPU's compiled `batch_step` takes sequences on plain float32 KV caches, each on its
-  own cache at its own position, the weights read once for the whole batch;
-- otherwise (Metal, CUDA, models the compiled step does not know) sequences on plain
-  `KVCache`s are merged into mlx-lm's `BatchKVCache` (`Merged`), kept merged while the
-  batch's members stay the same, and extracted back when they change;
-- the rest (a `--kv-bits` cache where the compiled step is not there, sliding-window and
-  recurrent caches) step one by one through the model, each on its own cache. Why a
-  sequence steps outside the batch is logged once, in one line.
+- the CPU's compiled `batch_step` takes sequences on float32 KV caches (plain, or
+  `--kv-bits` quantized ones, whose attention is attention.c's), each on its own cache at
+  its own position, the weights read once for the whole batch;
+- otherwise (Metal, CUDA, models the compiled step does not know, `--kv-bits` caches)
+  sequences are merged into one left-padded batch cache per layer (`Merged`): mlx-lm's
+  `BatchKVCache` for plain caches, cache/batch.py's `BatchQuantizedKVCache` for quantized
+  ones, whose decode attention is the batched `decode_attention` kernel; kept merged while
+  the batch's members stay the same, and extracted back when they change;
+- the rest (sliding-window and recurrent caches, a cache of another kind than the
+  batch's) step one by one through the model, each on its own cache. Why a sequence
+  steps outside the batch is logged once, in one line.
 
 A failure is the failing sequence's alone: a batched call that raises is retried one
 sequence at a time (it writes nothing before it can finish), and a sequence whose step or
@@ -23,7 +26,9 @@ import logging
 from typing import Callable
 
 import mlx.core as mx
-from mlx_lm.models.cache import BatchKVCache, KVCache, make_prompt_cache
+from mlx_lm.models.cache import BatchKVCache, KVCache, QuantizedKVCache, make_prompt_cache
+
+from ..cache.batch import BatchQuantizedKVCache
 
 from .events import Finished, GenerationEvent
 from .generate import GenerationParams
@@ -74,30 +79,21 @@ class Batch:
         """One token for each of `seqs`; returns the sequences that failed, with why."""
         failed: dict[Sequence, Exception] = {}
         batch_step = getattr(self.lm.model, "batch_step", None)
-        together, alone = [], []
-        rows = sum(len(s.pending) for s in seqs)
-        for s in seqs:
-            why = None if rows == 1 else _why_alone(batch_step, s)
-            (alone if why else together).append(s)
-            if why and s.alone is None:
-                s.alone = why
-                log.info("a sequence steps outside the batch: %s", why)
-        logits = None
-        if sum(len(s.pending) for s in together) > 1:
-            try:
-                if batch_step is not None:
-                    logits = batch_step([s.pending for s in together], [s.cache for s in together])
-                elif len(together) == 1:  # one sequence's rows: the model's own pass
-                    logits = None
-                else:
-                    logits = self._merged.step(self.lm, together)
-            except Exception:
-                log.exception("the batched step failed; its %d sequences step one by one", len(together))
-                self._merged.release_all()
-        if logits is None:
-            alone = together + alone
-        else:
-            for i, s in enumerate(together):
+        compiled, merged, alone = _plan(seqs, batch_step)
+        runs = ((compiled, lambda group: batch_step([s.pending for s in group], [s.cache for s in group])),
+                (merged, lambda group: self._merged.step(self.lm, group)))
+        for group, run in runs:
+            logits = None
+            if group:
+                try:
+                    logits = run(group)
+                except Exception:
+                    log.exception("the batched step failed; its %d sequences step one by one", len(group))
+                    self._merged.release_all()
+            if logits is None:
+                alone += group
+                continue
+            for i, s in enumerate(group):
                 _take(s, logits[i : i + 1], failed)
         for s in alone:
             self._merged.release(s)
@@ -110,22 +106,81 @@ class Batch:
         return failed
 
 
+def _plan(seqs: list[Sequence], batch_step) -> tuple[list[Sequence], list[Sequence], list[Sequence]]:
+    """Which sequences step in the compiled batched step, which merged through MLX, which
+    alone. A batch of one row is the model's own pass; merging takes one cache kind at a
+    time (the commonest), one token a sequence."""
+    if sum(len(s.pending) for s in seqs) == 1:
+        return [], [], list(seqs)
+    compiled = _commonest(seqs, lambda s: batch_step.kind(s.cache)) if batch_step is not None else []
+    rest = [s for s in seqs if not any(s is c for c in compiled)]
+    kinds = {id(s): _merge_kind(s) for s in rest}
+    merged = _commonest(rest, lambda s: kinds[id(s)])
+    if len(merged) == 1 and not compiled:  # one row after all: its own pass
+        merged = []
+    alone = [s for s in rest if not any(s is m for m in merged)]
+    for s in alone:
+        if s.alone is None and len(seqs) > 1:
+            s.alone = _why_alone(s, kinds[id(s)], batch_step)
+            log.info("a sequence steps outside the batch: %s", s.alone)
+    if len(compiled) == 1 and len(compiled[0].pending) == 1 and not merged:  # one row: the model's own pass
+        return [], [], compiled + alone
+    return compiled, merged, alone
+
+
+def _commonest(seqs: list[Sequence], kind: Callable[[Sequence], tuple | None]) -> list[Sequence]:
+    """The sequences of the kind most of them have (None is no kind), in their order."""
+    kinds = [kind(s) for s in seqs]
+    counts: dict[tuple, int] = {}
+    for k in kinds:
+        if k is not None:
+            counts[k] = counts.get(k, 0) + 1
+    best = max(counts, key=counts.get) if counts else None
+    return [s for s, k in zip(seqs, kinds) if best is not None and k == best]
+
+
+def _merge_kind(s: Sequence) -> tuple | None:
+    """What `Merged` batches this sequence's cache as: plain KVCaches, or QuantizedKVCaches
+    of one width and group (merged into BatchQuantizedKVCaches); None for any other cache,
+    or more than one pending token (a prompt's tail rides only in the compiled step)."""
+    if len(s.pending) != 1:
+        return None
+    if all(type(c) is KVCache for c in s.cache):
+        return ("plain",)
+    if all(type(c) is QuantizedKVCache for c in s.cache):
+        widths = {(c.bits, c.group_size) for c in s.cache}
+        return ("quantized", *widths.pop()) if len(widths) == 1 else None
+    return None
+
+
+def _why_alone(s: Sequence, kind: tuple | None, batch_step) -> str:
+    kinds = ", ".join(sorted({type(c).__name__ for c in s.cache}))
+    if kind is not None:
+        return f"its KV cache ({kinds}) is of another kind than the batch's"
+    if len(s.pending) != 1:
+        return "its prompt's tail is fed whole"
+    compiled = " or a float32 cache the compiled batched step reads" if batch_step is not None else ""
+    return (f"its KV cache ({kinds}) is not one that merges into a batch here (plain KVCache, or QuantizedKVCache "
+            f"of one width{compiled})")
+
+
 class Merged:
-    """Sequences that decode through MLX in one forward: their plain KVCaches merged into
-    mlx-lm's left-padded `BatchKVCache`s, one per layer. The merge is kept across steps
+    """Sequences that decode through MLX in one forward: their caches merged, one per layer,
+    into mlx-lm's left-padded `BatchKVCache` (plain caches) or its quantized twin
+    `BatchQuantizedKVCache` (cache/batch.py, `--kv-bits`). The merge is kept across steps
     while the members stay the same; when they change, every member's cache is extracted
-    back (its own `KVCache`, in the session's cache list) and the new members merged."""
+    back (its own cache, in the session's cache list) and the new members merged."""
 
     def __init__(self) -> None:
         self.members: list[Sequence] = []
-        self.cache: list[BatchKVCache] = []
+        self.cache: list[BatchKVCache | BatchQuantizedKVCache] = []
 
     def step(self, lm: LoadedModel, seqs: list[Sequence]) -> mx.array:
         if seqs != self.members:
             self.release_all()
-            self.cache = [BatchKVCache.merge([s.cache[i] for s in seqs]) for i in range(len(seqs[0].cache))]
+            self.cache = [_batch_of([s.cache[i] for s in seqs]) for i in range(len(seqs[0].cache))]
             self.members = list(seqs)
-        tokens = mx.array([s.pending for s in seqs])  # one token each (no batched step: tails go whole)
+        tokens = mx.array([s.pending for s in seqs])  # one token each (a prompt's tail rides in the compiled step)
         return lm.model(tokens, cache=self.cache)[:, -1, :]
 
     def release(self, seq: Sequence) -> None:
@@ -138,13 +193,8 @@ class Merged:
         self.members, self.cache = [], []
 
 
-def _why_alone(batch_step, s: Sequence) -> str | None:
-    kinds = ", ".join(sorted({type(c).__name__ for c in s.cache}))
-    if batch_step is not None and not batch_step.takes(s.cache):
-        return f"its KV cache ({kinds}) is not the plain float32 cache the compiled batched step reads"
-    if batch_step is None and any(type(c) is not KVCache for c in s.cache):
-        return f"its KV cache ({kinds}) is not one mlx-lm merges into a batch here (plain KVCache only)"
-    return None
+def _batch_of(caches: list) -> BatchKVCache | BatchQuantizedKVCache:
+    return (BatchQuantizedKVCache if type(caches[0]) is QuantizedKVCache else BatchKVCache).merge(caches)
 
 
 def _take(s: Sequence, logits: mx.array, failed: dict[Sequence, Exception]) -> None:

@@ -11,7 +11,8 @@ would.
 against plain `KVCache`s (grown first where they are full, as MLX grows them), and MLX's
 otherwise: prefill, sliding-window caches.
 It also gets `batch_step` (`BatchStep`): one token for each of several sequences, each on
-its own plain cache, in one pass over the weights (the worker's batched decode steps).
+its own cache (plain, or quantized as below), in one pass over the weights (the worker's
+batched decode steps).
 `--kv-bits` caches (`QuantizedKVCache`, float32 scales) take it too: the step quantizes
 the new K/V row as `mx.quantize` does and runs attention.c's attention over the cache
 inside its own thread team (through MLX such a step ran op by op, 3x slower than a plain
@@ -48,6 +49,11 @@ class _Layer(ctypes.Structure):
     _fields_ = [(name, P) for name in (
         "attn_norm", "wq", "wk", "wv", "wo", "mlp_norm", "wgate", "wup", "wdown", "bq", "bk", "bv", "keys", "values")] + [
         ("key_codes", W), ("value_codes", W)] + [
+        (name, P) for name in ("key_scales", "key_biases", "value_scales", "value_biases")]
+
+
+class _Cache(ctypes.Structure):  # model.h's lmsp_cache: one sequence's cache of one layer
+    _fields_ = [("keys", P), ("values", P), ("key_codes", W), ("value_codes", W)] + [
         (name, P) for name in ("key_scales", "key_biases", "value_scales", "value_biases")]
 
 
@@ -223,52 +229,57 @@ def make_room(cache: list, n: int, kv_heads: int, head_dim: int) -> None:
 
 class BatchStep:
     """The compiled step for several sequences at once (decode.c's `lmsp_decode_batch`):
-    each sequence on its own plain float32 KV cache, the weights read once for all."""
+    each sequence on its own cache, the weights read once for all. The caches are plain
+    float32 KVCaches, or QuantizedKVCaches of one width and group (`--kv-bits`), whose
+    attention is attention.c's, each sequence split as its step alone splits it."""
 
     def __init__(self, lib, compiled: CompiledModel) -> None:
         self.lib = lib
         self.compiled = compiled
         self.scratch = np.empty(0, np.float32)
 
-    def takes(self, cache: list) -> bool:
-        """Whether a sequence on `cache` can ride in the batched step (plain float32 KVCaches)."""
+    def kind(self, cache: list) -> tuple[int, int] | None:
+        """(bits, group) of a cache a sequence can ride in the batched step with ((0, 0):
+        plain float32); sequences of one kind step together. None: not one it reads."""
         found = self.compiled.layout(cache)
-        return found is not None and found[1] == 0
+        return None if found is None else (found[1], found[2] if found[1] else 0)
+
+    def takes(self, cache: list) -> bool:
+        return self.kind(cache) is not None
 
     def __call__(self, feeds: list[list[int]], caches: list[list]) -> mx.array | None:
         """Logits (len(feeds), vocab): for each sequence, after its tokens `feeds[i]` are fed
         to `caches[i]` (one for a decode step, several for a short prompt chunk, which
         attends causally as a prefill), its K/V written and offsets advanced; None (nothing
-        written) where a cache is not one `takes` takes."""
+        written) where a cache is not of the one kind `kind` takes."""
         spec = self.compiled.spec
         layers, count = spec.n_layers, sum(len(f) for f in feeds)
-        if not all(self.takes(c) for c in caches) or any(not 0 <= t < spec.vocab for f in feeds for t in f):
+        kinds = {self.kind(c) for c in caches}
+        if None in kinds or len(kinds) != 1 or any(not 0 <= t < spec.vocab for f in feeds for t in f):
             return None
+        bits, group = kinds.pop()
         half = spec.rope_dims // 2
         pos, cap = np.empty(count, np.int32), np.empty(count, np.int32)
         cos, sin = np.empty((count, half), np.float32), np.empty((count, half), np.float32)
-        keys, values = (ctypes.c_void_p * (count * layers))(), (ctypes.c_void_p * (count * layers))()
+        rows = (_Cache * (count * layers))()
         out_rows = np.empty(len(feeds), np.int32)
         views = []  # the buffers' numpy views stay alive through the call
         row = 0
         for s, (feed, cache) in enumerate(zip(feeds, caches)):
             make_room(cache, len(feed), spec.n_kv_heads, spec.head_dim)
-            buffers = []
-            for c in cache:
-                k, v = _view(c.keys), _view(c.values)
-                if k is None or v is None or k.shape != v.shape or k.shape[2] != cache[0].keys.shape[2]:
-                    return None
-                views += (k, v)
-                buffers.append((k.ctypes.data, v.ctypes.data))
-            start = cache[0].offset
+            buffers = [self._buffers(c, bits, views) for c in cache]
+            if any(b is None for b in buffers) or len({b[0] for b in buffers}) != 1:
+                return None
+            start, size = cache[0].offset, buffers[0][0]
             table = _rope_tables(start, len(feed), spec.rope_dims, *self.compiled.rope)
             for j in range(len(feed)):
-                for layer, (k, v) in enumerate(buffers):
-                    keys[row * layers + layer], values[row * layers + layer] = k, v
-                pos[row], cap[row] = start + j, cache[0].keys.shape[2]
+                for layer, (_, buffer) in enumerate(buffers):
+                    rows[row * layers + layer] = buffer
+                pos[row], cap[row] = start + j, size
                 cos[row], sin[row] = table[0][j], table[1][j]
                 row += 1
             out_rows[s] = row - 1
+        spec.kv_bits, spec.kv_group = bits, group
         need = self.lib.lmsp_decode_batch_scratch(ctypes.byref(spec), count, pos.ctypes.data)
         if self.scratch.size < need:
             self.scratch = np.empty(max(need, 2 * self.scratch.size), np.float32)
@@ -276,14 +287,31 @@ class BatchStep:
         ids = np.asarray([t for f in feeds for t in f], np.int32)
         cpu_blas.park_blas_threads()
         if self.lib.lmsp_decode_batch(ctypes.byref(spec), count, ids.ctypes.data, pos.ctypes.data, cap.ctypes.data,
-                                      keys, values, cos.ctypes.data, sin.ctypes.data, len(feeds),
-                                      out_rows.ctypes.data, logits.ctypes.data, self.scratch.ctypes.data) != 0:
+                                      rows, cos.ctypes.data, sin.ctypes.data, len(feeds), out_rows.ctypes.data,
+                                      logits.ctypes.data, self.scratch.ctypes.data) != 0:
             log.warning("compiled batch step: no memory for %d rows; the sequences step one by one", count)
             return None
         for feed, cache in zip(feeds, caches):
             for c in cache:
                 c.offset += len(feed)
         return mx.array(logits)
+
+    @staticmethod
+    def _buffers(c, bits: int, views: list) -> tuple[int, _Cache] | None:
+        """A layer cache's capacity and its buffers for lmsp_cache (None where a view fails)."""
+        if bits:
+            parts = [_view(a, dtype) for a, dtype in zip((*c.keys, *c.values), (mx.uint32, mx.float32, mx.float32) * 2)]
+            if any(a is None for a in parts) or len({a.shape[:3] for a in parts}) != 1:
+                return None
+            views += parts
+            fields = {name: ctypes.cast(a.ctypes.data, W if name.endswith("codes") else P)
+                      for name, a in zip(CODES, parts)}
+            return parts[0].shape[2], _Cache(**fields)
+        k, v = _view(c.keys), _view(c.values)
+        if k is None or v is None or k.shape != v.shape:
+            return None
+        views += (k, v)
+        return k.shape[2], _Cache(keys=_ptr(k), values=_ptr(v))
 
 
 def _supported(model: nn.Module) -> tuple[nn.Module, nn.RoPE] | None:
