@@ -120,4 +120,7 @@ def _make_pool(lm: LoadedModel, cs: CacheSettings, calls: CallMemory) -> Session
         except ValueError as exc:
             raise ModelLoadError(f"--kv-bits {cs.policy.kv_bits} with --kv-group-size {cs.policy.kv_group_size} "
                                  f"does not fit {lm.id}: {exc}") from None
+        except (AttributeError, TypeError):  # an attention that reads its cache as arrays (DeepSeek V3's MLA)
+            raise ModelLoadError(f"--kv-bits does not fit {lm.id}: its attention ({type(lm.model).__module__}) "
+                                 "does not read a quantized KV cache") from None
     return pool
