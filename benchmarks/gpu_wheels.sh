@@ -6,6 +6,8 @@
 # carry 64 MiB, and mlx-cuda-13 alone is about 90 MB, so it travels split in two:
 #   .whl/a: mlx, mlx-lm and the first half of mlx-cuda-13   (carry in the `stage` call)
 #   .whl/b: the second half                                 (carry in the `run` call)
+#   .whl/c: the server's other dependencies (quart, hypercorn, pydantic, transformers, ...,
+#           the test extra), for the `server` and `suite` steps  (carry in the `deps` call)
 # See benchmarks/on_gpu.sh for the two calls.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -21,4 +23,17 @@ split -b "$half" "$wheel" .whl/tmp/part.
 mv .whl/tmp/part.aa .whl/a/ && mv .whl/tmp/part.ab .whl/b/
 basename "$wheel" > .whl/a/cuda-wheel-name
 rm -rf .whl/tmp
-du -sh .whl/a .whl/b
+# Everything the project needs besides MLX, resolved for the device's Python (pip resolves
+# the project's own dependency list; mlx, mlx-lm and the CUDA wheel come from a and b).
+mkdir -p .whl/c
+python3 - >.whl/c/requirements.txt <<'PY'
+import re, tomllib
+p = tomllib.load(open("pyproject.toml", "rb"))["project"]
+for dep in p["dependencies"] + p["optional-dependencies"]["test"]:
+    if not re.match(r"mlx", dep):
+        print(dep.split(";")[0].replace(" ", ""))
+PY
+$PIP -d .whl/c -r .whl/c/requirements.txt --no-deps
+$PIP -d .whl/c -r .whl/c/requirements.txt 2>/dev/null || true  # the transitive ones (whatever binary resolves)
+rm -f .whl/c/mlx-*.whl .whl/c/mlx_lm-*.whl .whl/c/mlx_cuda*.whl
+du -sh .whl/a .whl/b .whl/c

@@ -1,13 +1,17 @@
 """The custom kernels against MLX's built-in paths on the same inputs, in one run.
 
-    python benchmarks/kernels.py [--contexts 8192,16384,32768] [--repeats 20]
+    python benchmarks/kernels.py [--contexts 8192,16384,32768] [--tokens 1,8,32]
+                                 [--batches 8x16384,32x16384,1x65536,1x131072] [--repeats 20]
 
 Cases, at decode shapes of a 30B-A3B-class MoE model (Qwen3-30B-A3B: hidden 2048, 128
 experts of hidden 768, top 8; 32 query heads over 4 KV heads of 128):
-- expert: one token through one MoE layer's experts, affine 4-bit and 2-bit, group 64.
-  Built-in: mlx-lm's SwitchGLU (three mx.gather_qmm and a SwiGLU).
+- expert: 1, 8 and 32 tokens (a batched decode step) through one MoE layer's experts,
+  each token its own top 8, affine 4-bit (and 2-bit at 1 token), group 64. Built-in:
+  mlx-lm's SwitchGLU (three mx.gather_qmm and a SwiGLU; from 64 token-expert pairs it
+  sorts them by expert). Its bound counts each chosen expert once per call.
 - attention: one query step against a QuantizedKVCache of each context length, 4 and 8
-  bits, group 64. Built-in: mlx-lm's quantized_scaled_dot_product_attention (two
+  bits, group 64; and batched steps, B sequences x N positions (4-bit), where the bound
+  reaches 20 us and more. Built-in: mlx-lm's quantized_scaled_dot_product_attention (two
   mx.quantized_matmul around a softmax over the whole score row).
 
 "ours" is the kernel where MLX has Metal or CUDA; on the CPU build it is the compiled CPU
@@ -125,9 +129,9 @@ def nbytes(*arrays: mx.array) -> int:
 SPREAD = 256 << 20  # bytes the timed reads are spread over: several times any GPU's L2
 
 
-def expert_chains(bits: int, chain: int):
+def expert_chains(bits: int, chain: int, tokens: int = 1):
     """(ours, built-in, bytes one call must read): each a function that builds a chain of
-    `chain` calls of one MoE layer's experts, one token each, as a model's decode runs them."""
+    `chain` calls of one MoE layer's experts for `tokens` tokens, as a model's decode runs them."""
     def projection(out: int, inp: int) -> QuantizedSwitchLinear:
         layer = QuantizedSwitchLinear(inp, out, EXPERTS, bias=False, group_size=GROUP, bits=bits)
         layer.scales, layer.biases = layer.scales.astype(DTYPE), layer.biases.astype(DTYPE)
@@ -137,8 +141,9 @@ def expert_chains(bits: int, chain: int):
     layer.gate_proj, layer.up_proj = projection(EXPERT_HIDDEN, HIDDEN), projection(EXPERT_HIDDEN, HIDDEN)
     layer.down_proj = projection(HIDDEN, EXPERT_HIDDEN)
     mx.eval(layer.parameters())
-    x0 = mx.random.normal((1, HIDDEN)).astype(DTYPE)
-    picks = [mx.random.permutation(EXPERTS)[:TOP_K].reshape(1, TOP_K).astype(mx.uint32) for _ in range(chain)]
+    x0 = mx.random.normal((tokens, HIDDEN)).astype(DTYPE)
+    picks = [mx.stack([mx.random.permutation(EXPERTS)[:TOP_K] for _ in range(tokens)]).astype(mx.uint32)
+             for _ in range(chain)]
     mx.eval(x0, picks)
     parts = [QuantizedExperts.of(p) for p in (layer.gate_proj, layer.up_proj, layer.down_proj)]
 
@@ -151,20 +156,22 @@ def expert_chains(bits: int, chain: int):
         return go
 
     per_expert = sum(nbytes(p.weight[0], p.scales[0], p.biases[0]) for p in parts)
-    return run(lambda x, i: kernels.expert_swiglu(x, i, *parts)), run(layer), TOP_K * per_expert
+    chosen = sum(len(set(i.reshape(-1).tolist())) for i in picks) / len(picks)  # experts a call reads
+    return run(lambda x, i: kernels.expert_swiglu(x, i, *parts)), run(layer), chosen * per_expert
 
 
-def attention_chains(context: int, bits: int, chain: int):
+def attention_chains(context: int, bits: int, chain: int, batch: int = 1):
     """(ours, built-in, bytes one call must read): each a function that builds a chain of
-    `chain` one-step attention calls against a QuantizedKVCache of `context` positions."""
+    `chain` one-step attention calls of `batch` sequences, each against its own quantized
+    cache of `context` positions."""
     def cache() -> tuple[mx.array, mx.array, mx.array]:
-        packed, scales, biases = mx.quantize(mx.random.normal((1, KV_HEADS, context, HEAD_DIM)), GROUP, bits)
+        packed, scales, biases = mx.quantize(mx.random.normal((batch, KV_HEADS, context, HEAD_DIM)), GROUP, bits)
         return packed, scales.astype(DTYPE), biases.astype(DTYPE)
 
     one = nbytes(*cache()) * 2
     copies = max(1, min(chain, -(-SPREAD // one)))
     caches = [(cache(), cache()) for _ in range(copies)]
-    q0 = mx.random.normal((1, Q_HEADS, 1, HEAD_DIM)).astype(DTYPE)
+    q0 = mx.random.normal((batch, Q_HEADS, 1, HEAD_DIM)).astype(DTYPE)
     mx.eval(caches, q0)
     scale = HEAD_DIM**-0.5
 
@@ -185,26 +192,32 @@ def streamed_columns(streaming: tuple[float, float, float]) -> dict:
     return {"ours_streamed_ms": ours_t * 1e3, "builtin_streamed_ms": builtin_t * 1e3, "streamed_speedup": speedup}
 
 
-def expert_case(bits: int, repeats: int, chain: int, bandwidth: float) -> dict:
-    ours, builtin, nbytes_read = expert_chains(bits, chain)
+def expert_case(bits: int, repeats: int, chain: int, bandwidth: float, tokens: int = 1) -> dict:
+    ours, builtin, nbytes_read = expert_chains(bits, chain, tokens)
     before = dict(kernels.expert_swiglu.calls)
     (ours_t, builtin_t, speedup), streaming = paired(ours, builtin, repeats, chain)
     bound = nbytes_read / bandwidth
-    return {"case": f"expert SwiGLU, 1 token, top {TOP_K} of {EXPERTS}, {bits}-bit g{GROUP}", "kernel": "expert",
-            "context": 0, "bits": bits, "ours_ms": ours_t * 1e3, "builtin_ms": builtin_t * 1e3, "speedup": speedup,
-            "bound_ms": bound * 1e3, "of_bound": ours_t / bound, "target": 1.3,
+    return {"case": f"expert SwiGLU, {tokens} token{'s' if tokens > 1 else ''}, top {TOP_K} of {EXPERTS}, "
+                    f"{bits}-bit g{GROUP}", "kernel": "expert",
+            "context": 0, "batch": tokens, "bits": bits, "ours_ms": ours_t * 1e3, "builtin_ms": builtin_t * 1e3,
+            "speedup": speedup, "bound_ms": bound * 1e3, "of_bound": ours_t / bound, "target": 1.3 if tokens == 1 else 1.0,
             "path": ran(kernels.expert_swiglu, before), **streamed_columns(streaming)}
 
 
-def attention_case(context: int, bits: int, repeats: int, chain: int, bandwidth: float) -> dict:
-    ours, builtin, nbytes_read = attention_chains(context, bits, chain)
+def attention_case(context: int, bits: int, repeats: int, chain: int, bandwidth: float, batch: int = 1) -> dict:
+    ours, builtin, nbytes_read = attention_chains(context, bits, chain, batch)
     before = dict(kernels.decode_attention.calls)
     (ours_t, builtin_t, speedup), streaming = paired(ours, builtin, repeats, chain)
     bound = nbytes_read / bandwidth
-    return {"case": f"decode attention, {context // 1024}K positions, {Q_HEADS}/{KV_HEADS} heads, {bits}-bit g{GROUP}",
-            "kernel": "attention", "context": context, "bits": bits, "ours_ms": ours_t * 1e3,
+    seqs = f"{batch} sequences x " if batch > 1 else ""
+    return {"case": f"decode attention, {seqs}{context // 1024}K positions, {Q_HEADS}/{KV_HEADS} heads, {bits}-bit g{GROUP}",
+            "kernel": "attention", "context": context, "batch": batch, "bits": bits, "ours_ms": ours_t * 1e3,
             "builtin_ms": builtin_t * 1e3, "speedup": speedup, "bound_ms": bound * 1e3, "of_bound": ours_t / bound,
-            "target": 1.5 if context == 16384 else None, "path": ran(kernels.decode_attention, before), **streamed_columns(streaming)}
+            "target": 1.5 if context == 16384 and batch in (1, 8) else None, "path": ran(kernels.decode_attention, before), **streamed_columns(streaming)}
+
+
+def numbers(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x]
 
 
 def plot(rows: list[dict], path: Path, path_name: str) -> None:
@@ -229,6 +242,9 @@ def plot(rows: list[dict], path: Path, path_name: str) -> None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--contexts", default="8192,16384,32768")
+    p.add_argument("--tokens", default="1,8,32", help="tokens of the expert cases (4-bit; 2-bit at 1)")
+    p.add_argument("--batches", default="8x16384,32x16384,1x65536,1x131072",
+                   help="batched attention cases, SEQUENCESxPOSITIONS (4-bit); empty for none")
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--chain", type=int, help="calls per timed evaluation (default: 16 on a GPU, 1 on the CPU)")
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
@@ -242,13 +258,16 @@ def main() -> None:
     bandwidth = read_bandwidth()
     print(f"read bandwidth {bandwidth / 1e9:.0f} GB/s", flush=True)
     rows = []
-    for bits in (4, 2):
-        rows.append(expert_case(bits, args.repeats, chain, bandwidth))
+    cases = [lambda: expert_case(2, args.repeats, chain, bandwidth)]
+    cases += [lambda t=t: expert_case(4, args.repeats, chain, bandwidth, t) for t in numbers(args.tokens)]
+    cases += [lambda c=c, b=b: attention_case(c, b, args.repeats, chain, bandwidth)
+              for c in numbers(args.contexts) for b in (4, 8)]
+    cases += [lambda n=n, b=b: attention_case(n, 4, args.repeats, chain, bandwidth, b)
+              for b, n in (map(int, spec.split("x")) for spec in args.batches.split(",") if spec)]
+    for case in cases:
+        rows.append(case())
         print(rows[-1]["case"], f"{rows[-1]['speedup']:.2f}x ({rows[-1]['path']})", flush=True)
-    for context in (int(c) for c in args.contexts.split(",")):
-        for bits in (4, 8):
-            rows.append(attention_case(context, bits, args.repeats, chain, bandwidth))
-            print(rows[-1]["case"], f"{rows[-1]['speedup']:.2f}x ({rows[-1]['path']})", flush=True)
+        mx.clear_cache()
     for row in rows:
         row["bandwidth_gbs"] = bandwidth / 1e9
         row["chain"] = chain

@@ -2,16 +2,26 @@
 # The custom kernels on the lent NVIDIA GPU (an H200) under MLX's CUDA backend.
 #
 # Here first: `bash benchmarks/gpu_wheels.sh` (MLX's CUDA build, split for the 64 MiB carry
-# limit). Then two device calls, back to back (the machine stays warm 30 s):
+# limit, and the server's other dependencies). Then device calls, back to back (the
+# machine stays warm 30 s):
 #   run(command="bash benchmarks/on_gpu.sh stage", carry=[".whl/a"], timeout_s=120)
+#   run(command="bash benchmarks/on_gpu.sh deps", carry=[".whl/c"], timeout_s=120)   (server, suite)
 #   run(command="bash benchmarks/on_gpu.sh run", carry=[".whl/b"], timeout_s=540)
+# then give_back(). Issue 27's figures and whole-server check, in about 9 minutes:
+#   run(command="bash benchmarks/on_gpu.sh run bench server suite", carry=[".whl/b"], timeout_s=560)
 # `run` installs MLX into /tmp/site, then runs the steps named after it, in that order
 # (default: tests bench sweep); results land in $OUT:
 #   cuda     benchmarks/cuda_kernels.py: the CUDA twins' own GPU time, outside MLX
 #   profile  benchmarks/gpu_profile.py: ours and MLX's kernels inside MLX, under ncu
 #   tests    tests/test_kernels.py with LMSP_KERNELS=kernel, less the per-configuration
 #            kernel-against-reference cases (NVRTC compiles each); `alltests` includes them
-#   bench    benchmarks/kernels.py;  sweep  benchmarks/kernel_sweep.py
+#   bench    benchmarks/kernels.py (1/8/32-token experts, batched attention at 8 and 32
+#            sequences x 16K, 64K and 128K positions);  sweep  benchmarks/kernel_sweep.py
+#   server   python -m lmsp_mlx.serve on a quantized model (the default one where carried in
+#            models/, else a tiny qwen3_moe built there), --kv-bits 4, kernels in auto mode:
+#            LMSP, /v1/responses and Chat answer, 4 concurrent completions decode in one
+#            batch; its log and the listing's quantization go to $OUT/server.txt
+#   suite    the whole test suite, GPU-only tests included (needs the deps call)
 # e.g. run(command="bash benchmarks/on_gpu.sh run cuda profile tests bench", carry=[".whl/b"], timeout_s=540)
 # Rehearsed on this machine with Python 3.12, the device's package versions and MLX's CPU
 # wheel in place of the CUDA one (everything but the GPU itself).
@@ -22,12 +32,19 @@ case "${1:-}" in
 stage)
     mkdir -p /tmp/stage && cp .whl/a/* /tmp/stage/ && ls -la /tmp/stage
     ;;
+deps)
+    mkdir -p /tmp/stage/deps && cp .whl/c/* /tmp/stage/deps/ && ls /tmp/stage/deps | wc -l
+    ;;
 run)
     name=$(cat /tmp/stage/cuda-wheel-name) || { echo "run the stage call first"; exit 1; }
     cat /tmp/stage/part.aa .whl/b/part.ab > "/tmp/stage/$name"
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site \
         /tmp/stage/mlx-*.whl /tmp/stage/mlx_lm-*.whl "/tmp/stage/$name" >/tmp/install.log 2>&1 \
         || { tail -20 /tmp/install.log; exit 1; }
+    if [ -d /tmp/stage/deps ]; then  # the server's dependencies, without replacing the machine's own
+        python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site \
+            /tmp/stage/deps/*.whl >>/tmp/install.log 2>&1 || tail -5 /tmp/install.log
+    fi
     # libmlx.so finds the CUDA libraries through RPATH $ORIGIN/../../nvidia/...: next to
     # where pip put it. They are the machine's own (PyTorch's nvidia-* wheels), elsewhere.
     nv=$(python3 -c "import nvidia; print(list(nvidia.__path__)[0])" 2>/dev/null)
@@ -66,6 +83,9 @@ run)
         bench) timeout 150 python3 benchmarks/kernels.py --repeats 20 --out "$OUT" 2>&1 | tee "$OUT/bench.txt" | tail -16 ;;
         # the launch shapes the constants in kernels/ should take on this GPU
         sweep) timeout 100 python3 benchmarks/kernel_sweep.py --out "$OUT" 2>&1 | tee "$OUT/sweep.txt" | tail -30 ;;
+        server) timeout 150 bash benchmarks/gpu_server.sh "$OUT" 2>&1 | tee "$OUT/server.txt" | tail -20 ;;
+        suite) MLX_ENABLE_TF32=0 timeout 300 python3 -m pytest -q -p no:cacheprovider -x -k "not codex and not claude_code" \
+                   2>&1 | tee "$OUT/suite.txt" | tail -30 ;;
         *) echo "unknown step $step" ;;
         esac
     done
