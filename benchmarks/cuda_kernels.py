@@ -294,10 +294,11 @@ def expert_program(bits: int, warps: int, rows: int, slice_: int = 0) -> str:
                     + call(f"mlx::core::cu::fused_{tag}", f"dim3({EXPERT_HIDDEN // slice_}, K)", f"dim3({32 * warps})",
                            [n for n, _ in inputs] + ["dw", "ds", "db"], ["y", "scratch"], "expert_swiglu", "fused"))
     else:
-        gate_up = kernel("expert_swiglu", "gate_up", inputs, [("hid", "float")], [*common, ("X", HALF), ("K", TOP_K)],
+        gate_up = kernel("expert_swiglu", "gate_up", inputs, [("hid", "float")],
+                         [*common, ("X", HALF), ("K", TOP_K), ("SHARE", 1)],
                          name=f"gate_up_{tag}")
         down = kernel("expert_swiglu", "down", [("hid", "float"), ("idx", U32), ("dw", U32), ("ds", HALF), ("db", HALF)],
-                      [("y", HALF)], [*common, ("Y", HALF)], name=f"down_{tag}")
+                      [("y", HALF)], [*common, ("Y", HALF), ("SHARE", 1)], name=f"down_{tag}")
         kernels = gate_up + down
         scratch = "1"
         per_group = warps * rows

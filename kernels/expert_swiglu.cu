@@ -34,18 +34,38 @@ __device__ inline float lmsp_warp_sum(float v) {
 __device__ inline int lmsp_staged(int c, int i) { return c * 32 + ((((i >> 2) ^ c) & 7) << 2) + (i & 3); }
 
 // The kernels' input row (x, or a pair's hidden vector) into shared memory in the staged
-// layout, `xs`, and each chunk's sum, `xsum`. Every thread of the block calls it. (The
-// arrays are template parameters so tests/simt.py can hand in its traced arrays.)
+// layout, `xs`, and each chunk's sum, `xsum`, as member m of the block's pairs (at m * N and
+// m * N / 32). Every thread of the block calls it. (The arrays are template parameters so
+// tests/simt.py can hand in its traced arrays.)
 template <int N, typename In, typename Staged, typename Sums>
-__device__ inline void lmsp_stage(const In* row, Staged& xs, Sums& xsum) {
-    for (int e = threadIdx.x; e < N; e += blockDim.x) xs[lmsp_staged(e >> 5, e & 31)] = static_cast<float>(row[e]);
+__device__ inline void lmsp_stage(const In* row, Staged& xs, Sums& xsum, int m = 0) {
+    for (int e = threadIdx.x; e < N; e += blockDim.x) xs[m * N + lmsp_staged(e >> 5, e & 31)] = static_cast<float>(row[e]);
     __syncthreads();
     for (int c = threadIdx.x; c < N / 32; c += blockDim.x) {
         float s = 0.0f;
-        for (int i = 0; i < 32; i++) s += xs[lmsp_staged(c, i)];
-        xsum[c] = s;
+        for (int i = 0; i < 32; i++) s += xs[m * N + lmsp_staged(c, i)];
+        xsum[m * (N / 32) + c] = s;
     }
     __syncthreads();
+}
+
+// Pairs that chose the same expert share its reads (see the Metal twin): pair p's block
+// takes p and the next pairs of its expert, SHARE at most, where the pairs of that expert
+// before p are a multiple of SHARE; every other pair's block gets 0 and ends.
+template <int SHARE, typename M>
+__device__ inline int lmsp_members(const uint32_t* idx, int pairs, int pair, M& members) {
+    if (SHARE == 1) {
+        members[0] = pair;
+        return 1;
+    }
+    const uint32_t expert = idx[pair];
+    int before = 0, n = 0;
+    for (int q = 0; q < pairs; q++) {
+        if (idx[q] != expert) continue;
+        if (q < pair) before++;
+        else if (n < SHARE) members[n++] = q;
+    }
+    return before % SHARE == 0 ? n : 0;
 }
 
 // A warp's ROWS gate and up rows, `first` on, of `expert` (rows past H re-read row H - 1)
@@ -55,7 +75,7 @@ __device__ inline void lmsp_stage(const In* row, Staged& xs, Sums& xsum) {
 template <int ROWS, int BITS, int D, int H, int GS, typename S, typename Staged, typename Sums>
 __device__ inline void lmsp_gate_up_rows(const uint32_t* gw, const S* gs, const S* gb, const uint32_t* uw,
                                          const S* us, const S* ub, int expert, int first, Staged& xs, Sums& xsum,
-                                         int lane, float* hidden) {
+                                         int lane, float* hidden, int m = 0) {
     constexpr int CHUNKS = D / 32, WORDS = D * BITS / 32, GROUPS = D / GS, TRIPS = (CHUNKS + 31) / 32;
     float g[ROWS], u[ROWS];
 #pragma unroll
@@ -66,13 +86,13 @@ __device__ inline void lmsp_gate_up_rows(const uint32_t* gw, const S* gs, const 
         if (c < CHUNKS) {
             float xc[32];
 #pragma unroll
-            for (int i = 0; i < 32; i++) xc[i] = xs[lmsp_staged(c, i)];
+            for (int i = 0; i < 32; i++) xc[i] = xs[m * D + lmsp_staged(c, i)];
 #pragma unroll
             for (int r = 0; r < ROWS; r++) {
                 const long row = long(expert) * H + min(first + r, H - 1);
                 const long q = row * GROUPS + c * 32 / GS;
-                g[r] += static_cast<float>(gs[q]) * lmsp_chunk_dot<BITS>(gw + row * WORDS + c * BITS, xc) + static_cast<float>(gb[q]) * xsum[c];
-                u[r] += static_cast<float>(us[q]) * lmsp_chunk_dot<BITS>(uw + row * WORDS + c * BITS, xc) + static_cast<float>(ub[q]) * xsum[c];
+                g[r] += static_cast<float>(gs[q]) * lmsp_chunk_dot<BITS>(gw + row * WORDS + c * BITS, xc) + static_cast<float>(gb[q]) * xsum[m * CHUNKS + c];
+                u[r] += static_cast<float>(us[q]) * lmsp_chunk_dot<BITS>(uw + row * WORDS + c * BITS, xc) + static_cast<float>(ub[q]) * xsum[m * CHUNKS + c];
             }
         }
     }
@@ -86,50 +106,64 @@ __device__ inline void lmsp_gate_up_rows(const uint32_t* gw, const S* gs, const 
 // --- gate_up ---
 // inputs: x (T, D), idx (T*K) uint32, gw/gs/gb and uw/us/ub (E, H, ...); output: hid (T*K, H) float
 const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-const int pair = blockIdx.y, token = pair / K;
+const int pair = blockIdx.y;
+__shared__ int members[SHARE];
+__shared__ int count;
+if (threadIdx.x == 0) count = lmsp_members<SHARE>(idx, gridDim.y, pair, members);
+__syncthreads();
+if (count == 0) return;  // an earlier block takes this pair
 const int expert = idx[pair];
-__shared__ float xs[D];
-__shared__ float xsum[D / 32];
-lmsp_stage<D>(x + long(token) * D, xs, xsum);
+__shared__ float xs[SHARE * D];  // member m's x at m * D
+__shared__ float xsum[SHARE * (D / 32)];
+for (int m = 0; m < count; m++) lmsp_stage<D>(x + long(members[m] / K) * D, xs, xsum, m);
 const int row0 = (blockIdx.x * WARPS + warp) * ROWS;
-float hidden[ROWS];
-lmsp_gate_up_rows<ROWS, BITS, D, H, GS>(gw, gs, gb, uw, us, ub, expert, row0, xs, xsum, lane, hidden);
+for (int m = 0; m < count; m++) {
+    float hidden[ROWS];
+    lmsp_gate_up_rows<ROWS, BITS, D, H, GS>(gw, gs, gb, uw, us, ub, expert, row0, xs, xsum, lane, hidden, m);
 #pragma unroll
-for (int r = 0; r < ROWS; r++)
-    if (lane == 0 && row0 + r < H) hid[long(pair) * H + row0 + r] = hidden[r];
+    for (int r = 0; r < ROWS; r++)
+        if (lane == 0 && row0 + r < H) hid[long(members[m]) * H + row0 + r] = hidden[r];
+}
 
 // --- down ---
 // inputs: hid (T*K, H) float, idx (T*K) uint32, dw/ds/db (E, D, ...); output: y (T*K, D)
 const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
 const int pair = blockIdx.y;
+__shared__ int members[SHARE];
+__shared__ int count;
+if (threadIdx.x == 0) count = lmsp_members<SHARE>(idx, gridDim.y, pair, members);
+__syncthreads();
+if (count == 0) return;
 const int expert = idx[pair];
 constexpr int CHUNKS = H / 32, WORDS = H * BITS / 32, GROUPS = H / GS, TRIPS = (CHUNKS + 31) / 32;
-__shared__ float xs[H];  // the pair's hidden vector, staged as gate_up stages x
-__shared__ float xsum[CHUNKS];
-lmsp_stage<H>(hid + long(pair) * H, xs, xsum);
+__shared__ float xs[SHARE * H];  // each member's hidden vector, staged as gate_up stages x
+__shared__ float xsum[SHARE * CHUNKS];
+for (int m = 0; m < count; m++) lmsp_stage<H>(hid + long(members[m]) * H, xs, xsum, m);
 const int row0 = (blockIdx.x * WARPS + warp) * ROWS;
-float acc[ROWS];
+for (int m = 0; m < count; m++) {
+    float acc[ROWS];
 #pragma unroll
-for (int r = 0; r < ROWS; r++) acc[r] = 0.0f;
+    for (int r = 0; r < ROWS; r++) acc[r] = 0.0f;
 #pragma unroll
-for (int t = 0; t < TRIPS; t++) {
-    const int c = lane + 32 * t;
-    if (c < CHUNKS) {
-        float hc[32];
+    for (int t = 0; t < TRIPS; t++) {
+        const int c = lane + 32 * t;
+        if (c < CHUNKS) {
+            float hc[32];
 #pragma unroll
-        for (int i = 0; i < 32; i++) hc[i] = xs[lmsp_staged(c, i)];
+            for (int i = 0; i < 32; i++) hc[i] = xs[m * H + lmsp_staged(c, i)];
 #pragma unroll
-        for (int r = 0; r < ROWS; r++) {
-            const long row = long(expert) * D + min(row0 + r, D - 1);
-            const long q = row * GROUPS + c * 32 / GS;
-            acc[r] += static_cast<float>(ds[q]) * lmsp_chunk_dot<BITS>(dw + row * WORDS + c * BITS, hc) + static_cast<float>(db[q]) * xsum[c];
+            for (int r = 0; r < ROWS; r++) {
+                const long row = long(expert) * D + min(row0 + r, D - 1);
+                const long q = row * GROUPS + c * 32 / GS;
+                acc[r] += static_cast<float>(ds[q]) * lmsp_chunk_dot<BITS>(dw + row * WORDS + c * BITS, hc) + static_cast<float>(db[q]) * xsum[m * CHUNKS + c];
+            }
         }
     }
-}
 #pragma unroll
-for (int r = 0; r < ROWS; r++) {
-    const float s = lmsp_warp_sum(acc[r]);
-    if (lane == 0 && row0 + r < D) y[long(pair) * D + row0 + r] = static_cast<Y>(s);
+    for (int r = 0; r < ROWS; r++) {
+        const float s = lmsp_warp_sum(acc[r]);
+        if (lane == 0 && row0 + r < D) y[long(members[m]) * D + row0 + r] = static_cast<Y>(s);
+    }
 }
 
 // --- fused ---

@@ -5,7 +5,9 @@ QuantizedSwitchLinear projections: x (..., D), indices (..., K) -> (..., K, D).
 
 The kernel is two launches (expert_swiglu.metal / .cu): gate_up reads each selected
 expert's gate and up rows once against x and writes silu(gate) * up, and down reads the
-down rows against that. Under CUDA, decode-sized calls (up to FUSED_PAIRS token-expert
+down rows against that. In a batch (more than one token), the pairs that chose one expert
+are taken up to SHARE at a time by one threadgroup, so the expert's rows are read from
+memory once for them (as gather_qmm's sorted path shares them). Under CUDA, decode-sized calls (up to FUSED_PAIRS token-expert
 pairs) take one launch instead, `fused`, whose blocks each own a slice of the hidden
 rows and the pair's last block sums their partial outputs. Only the chosen experts' rows
 are read. Shapes it does not take
@@ -25,6 +27,10 @@ from .quantized import EXPERT_BITS, GROUP_SIZES, QuantizedExperts
 from .sources import kernel as build
 
 WARPS = 4  # simdgroups per threadgroup
+# Pairs of a batch that chose one expert are taken SHARE at a time by one threadgroup, which
+# reads the expert's rows once for all of them; their staged vectors (SHARE of x or of the
+# hidden vector) take at most STAGED floats of threadgroup memory (24 KB of Metal's 32).
+MAX_SHARE, STAGED = 4, 6144
 ROWS = 4  # output rows per simdgroup
 MAX_DIM = 7168  # x or the hidden vector staged in threadgroup memory (28 KB of Metal's 32)
 # The fused launch (CUDA): hidden rows a block owns, its warps, and the most pairs it takes
@@ -61,10 +67,11 @@ def kernel(x: mx.array, indices: mx.array, gate: QuantizedExperts, up: Quantized
     # MLX's CUDA backend tells compiled kernels apart by name and template args only.
     common = [("S", gate.scales.dtype), ("D", d), ("H", h), ("BITS", gate.bits), ("GS", gate.group_size),
               ("WARPS", WARPS), ("ROWS", ROWS)]
+    shared = tokens > 1  # one token's k experts are k different ones: nothing to share
     gate_up = build(backend(), "expert_swiglu", "gate_up", ("x", "idx", "gw", "gs", "gb", "uw", "us", "ub"), ("hid",))
     (hidden,) = gate_up(
         inputs=[x.reshape(tokens, d), flat, *gate[:3], *up[:3]],
-        template=[*common, ("X", x.dtype), ("K", k)],
+        template=[*common, ("X", x.dtype), ("K", k), ("SHARE", share(d) if shared else 1)],
         grid=(32 * WARPS * -(-h // per_group), pairs, 1),
         threadgroup=(32 * WARPS, 1, 1),
         output_shapes=[(pairs, h)],
@@ -73,13 +80,18 @@ def kernel(x: mx.array, indices: mx.array, gate: QuantizedExperts, up: Quantized
     down_run = build(backend(), "expert_swiglu", "down", ("hid", "idx", "dw", "ds", "db"), ("y",))
     (y,) = down_run(
         inputs=[hidden, flat, *down[:3]],
-        template=[*common, ("Y", x.dtype)],
+        template=[*common, ("Y", x.dtype), ("SHARE", share(h) if shared else 1)],
         grid=(32 * WARPS * -(-d // per_group), pairs, 1),
         threadgroup=(32 * WARPS, 1, 1),
         output_shapes=[(pairs, d)],
         output_dtypes=[x.dtype],
     )
     return y.reshape(*lead, k, d)
+
+
+def share(n: int) -> int:
+    """Pairs a threadgroup takes at once, for a staged vector of n floats."""
+    return max(1, min(MAX_SHARE, STAGED // n))
 
 
 def _fused(pairs: int, h: int) -> bool:

@@ -3,10 +3,10 @@
 - MoE layers: each SwitchGLU whose three projections are affine-quantized
   QuantizedSwitchLinear (qwen3_moe, deepseek_v2/v3, mixtral, ...) becomes a
   KernelSwitchGLU: the same module and parameters, whose decode and small-batch calls go
-  through expert_swiglu (under 64 token-expert pairs on a GPU; up to 64 tokens on the CPU
-  build, whose experts.c shares each chosen expert's reads across its tokens). Larger
-  batches keep mlx-lm's sorted gather_qmm path, which is what it is built for, and so does
-  any call the dispatch gives no kernel (its `builtin`).
+  through expert_swiglu (up to 32 tokens on a GPU, 64 on the CPU build; a batch's tokens
+  that chose one expert share its reads). Larger calls keep mlx-lm's sorted gather_qmm
+  path, which is what it is built for, and so does any call the dispatch gives no kernel
+  (its `builtin`).
 - Attention: the model module's `scaled_dot_product_attention` is wrapped so that a
   one-position query against a QuantizedKVCache (`--kv-bits`), or against a batch of them
   (a BatchQuantizedKVCache: each row from its own first position), goes through
@@ -29,19 +29,20 @@ from .dispatch import backend, mode
 from .experts import expert_swiglu
 from .quantized import QuantizedExperts
 
-SMALL_BATCH = 64  # token-expert pairs on a GPU; from here mlx-lm sorts them and gather_qmm does well
-# Tokens on the CPU build, where experts.c reads a chosen expert once for all the tokens
-# that chose it (and gather_qmm, in float32 there, took 28 ms for one token's 8 experts of
-# a 30B-A3B layer): a batched decode step of up to 64 sequences; prompt chunks go to gather_qmm.
-CPU_TOKENS = 64
+# Tokens a call may hold to go through the expert kernel (a batched decode step); larger
+# calls (prompt chunks) keep mlx-lm's sorted gather_qmm path, which is built for them. On
+# a GPU up to 32, the batches benchmarks/kernels.py sets against gather_qmm (a batch's
+# pairs of one expert share its reads; not yet timed on a GPU). On the CPU build up to 64,
+# where experts.c does the same, and gather_qmm, in float32 there, took 28 ms for one
+# token's 8 experts of a 30B-A3B layer.
+MAX_TOKENS = {"gpu": 32, "cpu": 64}
 
 
 class KernelSwitchGLU(SwitchGLU):
     """mlx-lm's SwitchGLU, with decode and small batches on the expert kernel."""
 
     def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
-        large = indices.size >= SMALL_BATCH if backend() else indices.size // indices.shape[-1] > CPU_TOKENS
-        if large:
+        if indices.size // indices.shape[-1] > MAX_TOKENS["gpu" if backend() else "cpu"]:
             return super().__call__(x, indices)
         projections = (self.gate_proj, self.up_proj, self.down_proj)
         return expert_swiglu(x, mx.stop_gradient(indices), *(QuantizedExperts.of(p) for p in projections),

@@ -456,6 +456,41 @@ def test_dispatch_modes(monkeypatch):
             assert kernels.decode_attention.calls["kernel"] == before + 1, chosen
 
 
+@needs_backend
+def test_a_kernel_source_that_does_not_compile_falls_back_to_the_reference_with_one_warning(monkeypatch, caplog):
+    """The real build path with a deliberately broken source (a syntax error in the attention
+    body): its configuration's first call fails to compile, the reference answers, and the
+    log says so once; the next call of that configuration does not try again."""
+    from lmsp_mlx.kernels import sources
+
+    real = sources.sections
+
+    def broken(filename):
+        parts = dict(real(filename))
+        if filename.startswith("decode_attention"):
+            parts = {name: ("this is not a kernel;\n" + text if name in ("body", "state") else text)
+                     for name, text in parts.items()}
+        return parts
+
+    monkeypatch.setattr(sources, "sections", broken)
+    sources.kernel.cache_clear()
+    monkeypatch.setattr(kernels.decode_attention, "verdicts", {})
+    monkeypatch.setenv("LMSP_KERNELS", "auto")
+    keys, values = quantized_kv(1, 2, 300, 64, 32, 4), quantized_kv(1, 2, 300, 64, 32, 4)
+    q = mx.random.normal((1, 8, 1, 64))
+    try:
+        with caplog.at_level(logging.WARNING, logger="lmsp_mlx.kernels"):
+            before = kernels.decode_attention.calls["reference"]
+            for _ in range(2):
+                got = kernels.decode_attention(q, keys, values, 0.125, 32, 4)
+        assert rel_err(got, reference.decode_attention(q, keys, values, 0.125, 32, 4)) == 0
+        assert kernels.decode_attention.calls["reference"] == before + 2
+        warnings = [r.getMessage() for r in caplog.records if "kernel unavailable" in r.getMessage()]
+        assert len(warnings) == 1, warnings
+    finally:
+        sources.kernel.cache_clear()  # no broken build outlives the test
+
+
 def test_auto_mode_checks_each_kernel_configuration_once_and_keeps_only_agreeing_kernels(monkeypatch, caplog):
     """What protects users from a kernel build nobody ran on their GPU: the first call of a
     configuration runs kernel and reference and compares; a disagreeing or failing kernel
@@ -557,7 +592,14 @@ CUDA_BUILDS = {
         "expert_swiglu", "gate_up",
         [("x", BF16), ("idx", U32), ("gw", U32), ("gs", HALF), ("gb", HALF), ("uw", U32), ("us", HALF), ("ub", HALF)],
         [("hid", "float")],
-        [("S", HALF), ("D", 2048), ("H", 768), ("BITS", 3), ("GS", 64), ("WARPS", 4), ("ROWS", 4), ("X", BF16), ("K", 8)]),
+        [("S", HALF), ("D", 2048), ("H", 768), ("BITS", 3), ("GS", 64), ("WARPS", 4), ("ROWS", 4), ("X", BF16), ("K", 8),
+         ("SHARE", 1)]),
+    "expert gate_up of a batch, 4-bit, pairs of an expert taken 3 at a time": (
+        "expert_swiglu", "gate_up",
+        [("x", HALF), ("idx", U32), ("gw", U32), ("gs", HALF), ("gb", HALF), ("uw", U32), ("us", HALF), ("ub", HALF)],
+        [("hid", "float")],
+        [("S", HALF), ("D", 2048), ("H", 768), ("BITS", 4), ("GS", 64), ("WARPS", 4), ("ROWS", 4), ("X", HALF), ("K", 8),
+         ("SHARE", 3)]),
     "expert fused, 4-bit, the defaults": (
         "expert_swiglu", "fused",
         [("x", HALF), ("idx", U32), ("gw", U32), ("gs", HALF), ("gb", HALF), ("uw", U32), ("us", HALF),
@@ -573,7 +615,8 @@ CUDA_BUILDS = {
     "expert down, bfloat16 out": (
         "expert_swiglu", "down",
         [("hid", "float"), ("idx", U32), ("dw", U32), ("ds", HALF), ("db", HALF)], [("y", BF16)],
-        [("S", HALF), ("D", 2048), ("H", 768), ("BITS", 4), ("GS", 64), ("WARPS", 4), ("ROWS", 4), ("Y", BF16)]),
+        [("S", HALF), ("D", 2048), ("H", 768), ("BITS", 4), ("GS", 64), ("WARPS", 4), ("ROWS", 4), ("Y", BF16),
+         ("SHARE", 4)]),
 }
 
 
@@ -767,18 +810,21 @@ def test_the_attention_sources_skip_each_rows_left_padding(dialect):
 
 @pytest.mark.skipif(shutil.which("g++") is None, reason="no g++ to build the SIMT emulation")
 @pytest.mark.parametrize("dialect", DIALECTS)
-@pytest.mark.parametrize("bits, group_size, d, h, tokens, k, rows_per_warp", [
-    (3, 32, 96, 64, 2, 3, expert_module.ROWS),  # 3-bit codes cross words; 3 chunks a row, most lanes idle
-    (4, 64, 1088, 128, 1, 2, expert_module.ROWS),  # 34 chunks a row: lanes 0 and 1 take a second chunk
-    (2, 32, 96, 64, 1, 2, 3),  # 12 rows a threadgroup: the last one of each matrix runs past its end
+@pytest.mark.parametrize("bits, group_size, d, h, tokens, k, rows_per_warp, share, experts", [
+    (3, 32, 96, 64, 2, 3, expert_module.ROWS, 1, 6),  # 3-bit codes cross words; 3 chunks a row, most lanes idle
+    (4, 64, 1088, 128, 1, 2, expert_module.ROWS, 1, 6),  # 34 chunks a row: lanes 0 and 1 take a second chunk
+    (2, 32, 96, 64, 1, 2, 3, 1, 6),  # 12 rows a threadgroup: the last one of each matrix runs past its end
+    # a batch whose tokens share experts: 5 tokens x 2 of 3 experts, runs of 3-4 pairs an
+    # expert taken 2 (then 3) at a time, the last threadgroup of a run taking fewer
+    (4, 32, 96, 64, 5, 2, expert_module.ROWS, 2, 3),
+    (3, 32, 64, 96, 5, 2, 3, 3, 3),
 ])
 def test_expert_kernel_sources_compute_their_reference(dialect, bits, group_size, d, h, tokens, k, rows_per_warp,
-                                                       monkeypatch):
+                                                       share, experts, monkeypatch):
     import simt
 
     monkeypatch.setattr(expert_module, "ROWS", rows_per_warp)
 
-    experts = 6
     gate, up = (quantized_experts(experts, h, d, group_size, bits) for _ in range(2))
     down = quantized_experts(experts, d, h, group_size, bits)
     x = mx.random.normal((tokens, d))
@@ -790,11 +836,11 @@ def test_expert_kernel_sources_compute_their_reference(dialect, bits, group_size
     hidden = simt.run("expert_swiglu", "gate_up", dialect,
                       {"x": np.array(x), "idx": idx, **{n: np.array(a) for n, a in zip(
                           ("gw", "gs", "gb", "uw", "us", "ub"), (*gate[:3], *up[:3]))}},
-                      {"hid": (pairs, h)}, {**common, "X": "float", "K": k},
+                      {"hid": (pairs, h)}, {**common, "X": "float", "K": k, "SHARE": share},
                       grid=(-(-h // rows), pairs, 1), threads=32 * expert_module.WARPS)["hid"]
     y = simt.run("expert_swiglu", "down", dialect,
                  {"hid": hidden, "idx": idx, **{n: np.array(a) for n, a in zip(("dw", "ds", "db"), down[:3])}},
-                 {"y": (pairs, d)}, {**common, "Y": "float"},
+                 {"y": (pairs, d)}, {**common, "Y": "float", "SHARE": share},
                  grid=(-(-d // rows), pairs, 1), threads=32 * expert_module.WARPS)["y"]
     want = reference.expert_swiglu(x, indices, gate, up, down)
     assert rel_err(y.reshape(tokens, k, d), want) < 1e-5
@@ -869,12 +915,12 @@ def test_expert_kernel_sources_read_their_staged_vector_without_bank_conflicts(d
         gate, up = (quantized_experts(2, h, d, group_size, bits) for _ in range(2))
         inputs = {"x": np.array(mx.random.normal((1, d))), "idx": idx,
                   **{n: np.array(a) for n, a in zip(("gw", "gs", "gb", "uw", "us", "ub"), (*gate[:3], *up[:3]))}}
-        outputs, template, staged = {"hid": (1, h)}, {**common, "X": "float", "K": 1}, "xs"
+        outputs, template, staged = {"hid": (1, h)}, {**common, "X": "float", "K": 1, "SHARE": 1}, "xs"
     else:
         down = quantized_experts(2, d, h, group_size, bits)
         inputs = {"hid": np.array(mx.random.normal((1, h))), "idx": idx,
                   **{n: np.array(a) for n, a in zip(("dw", "ds", "db"), down[:3])}}
-        outputs, template, staged = {"y": (1, d)}, {**common, "Y": "float"}, "xs"
+        outputs, template, staged = {"y": (1, d)}, {**common, "Y": "float", "SHARE": 1}, "xs"
     _, trace = simt.run("expert_swiglu", section, dialect, inputs, outputs, template,
                         grid=(1, 1, 1), threads=32 * expert_module.WARPS, trace=True)
     assert trace.worst(16)[staged] == 1
