@@ -33,7 +33,6 @@ for dep in p["dependencies"] + p["optional-dependencies"]["test"]:
     if not re.match(r"mlx", dep):
         print(dep.split(";")[0].replace(" ", ""))
 PY
-$PIP -d .whl/c -r .whl/c/requirements.txt --no-deps
-$PIP -d .whl/c -r .whl/c/requirements.txt 2>/dev/null || true  # the transitive ones (whatever binary resolves)
+${PIP/--no-deps /} -d .whl/c -r .whl/c/requirements.txt  # with their own dependencies
 rm -f .whl/c/mlx-*.whl .whl/c/mlx_lm-*.whl .whl/c/mlx_cuda*.whl
 du -sh .whl/a .whl/b .whl/c
