@@ -19,6 +19,7 @@ import mlx.core as mx
 import numpy as np
 
 from .. import cpu_blas
+from . import reference
 from .quantized import QuantizedExperts
 
 
@@ -77,6 +78,8 @@ def expert_swiglu(x: mx.array, indices: mx.array, gate: QuantizedExperts, up: Qu
         xs.ctypes.data, idx.ctypes.data, tokens, k, gate.weight.shape[0], *(a.ctypes.data for a in arrays),
         d, h, gate.bits, gate.group_size, _parallel(3 * pairs * d * h), hidden.ctypes.data, sums.ctypes.data,
         y.ctypes.data)
+    if done == -2:  # no memory for its grouping or scratch: what it computes, the plain way
+        return reference.expert_swiglu(x, indices, gate, up, down)
     if done != 0:
         raise ValueError(f"experts.c did not take this call (status {done}): x {x.shape}, bits {gate.bits}, "
                          f"group {gate.group_size}")
@@ -117,6 +120,8 @@ def decode_attention(queries: mx.array, keys, values, scale: float, group_size: 
         q.ctypes.data, b, hkv, rows, d, n, *(v.ctypes.data for v, _ in views), strides.ctypes.data,
         None if starts is None else starts.ctypes.data, bits, group_size, scale,
         _parallel(2 * hkv * rows * attended * d), out.ctypes.data)
+    if done == -2:  # no memory for its split states: what it computes, the plain way
+        return reference.decode_attention(queries, keys, values, scale, group_size, bits, first)
     if done != 0:
         raise ValueError(f"attention.c did not take this call (status {done}): queries {queries.shape}, "
                          f"bits {bits}, group {group_size}")

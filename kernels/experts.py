@@ -120,8 +120,10 @@ def fused(x: mx.array, flat: mx.array, k: int, gate: QuantizedExperts, up: Quant
 
 def _config(x, indices, gate, up, down) -> tuple:
     # the launch taken is part of it: each is checked against the reference on first use
+    # a batch (more than one token) shares reads: its SHARE variants are checked apart too
     return (backend(), x.shape[-1], gate.output_dims, indices.shape[-1], gate.bits, gate.group_size,
-            str(gate.scales.dtype), str(x.dtype), _fused(indices.size, gate.output_dims))
+            str(gate.scales.dtype), str(x.dtype), _fused(indices.size, gate.output_dims),
+            indices.size > indices.shape[-1])
 
 
 def _kernel(x, indices, gate, up, down):

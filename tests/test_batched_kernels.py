@@ -151,3 +151,32 @@ def test_a_kv_bits_moe_model_serves_concurrent_requests_in_one_batch(start_serve
         t.join(timeout=120)
     assert [got[i] for i in range(3)] == alone and all(alone)
     assert "steps outside the batch" not in server.log()
+
+
+def test_sequences_of_two_cache_kinds_in_one_batch_each_get_their_tokens_alone(tiny_model_dir):
+    """Plain and --kv-bits caches side by side (the compiled step takes one kind a step, the
+    other steps apart), with members ending at different steps, so the batch's make-up
+    changes: each sequence's tokens are the ones it gets alone, its cache never stale."""
+    from tiny_model import build_tiny_model
+
+    lm = load_model(build_tiny_model(tiny_model_dir.parent / "kinds", head_dim=64))
+    four = lambda: [QuantizedKVCache(group_size=32, bits=4) for _ in lm.model.layers]  # noqa: E731
+    # The quantized one first: once a plain one ends, the two kinds tie, and the first seen
+    # (the quantized one, a moment ago a merged batch of its own) takes the compiled step.
+    plans = [(list(range(60, 95)), 10, four), (list(range(40, 70)), 4, None), (list(range(50, 58)), 14, None)]
+
+    def params(prompt, n):
+        return GenerationParams(prompt=prompt, max_tokens=n, temperature=0.0, ignore_eos=True)
+
+    expected, lengths = [], []
+    for prompt, n, cache in plans:
+        sampled: list[int] = []
+        kv = cache() if cache else make_prompt_cache(lm.model)
+        generate(lm, params(prompt, n), emit=lambda e: None, cache=kv, sampled=sampled)
+        expected.append(sampled)
+        lengths.append(kv[0].offset)
+    seqs = [Sequence(lm, params(prompt, n), cache() if cache else make_prompt_cache(lm.model), emit=lambda e: None)
+            for prompt, n, cache in plans]
+    assert together(lm, seqs) == {}
+    assert [s.sampled for s in seqs] == expected and [len(t) for t in expected] == [10, 4, 14]
+    assert [s.cache[0].offset for s in seqs] == lengths  # no fed token lost from a cache

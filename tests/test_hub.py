@@ -107,6 +107,13 @@ def test_a_repo_revision_or_token_the_hub_refuses_is_one_line(tiny_model_dir, tm
         assert "Fetching 4 files: 100%" in pulled.stderr
 
 
+def test_a_revision_may_hold_slashes():
+    from lmsp_mlx.engine import hub
+
+    assert hub.looks_like_repo_id("org/name@refs/pr/1") and hub.invalid("org/name@refs/pr/1") is None
+    assert not hub.looks_like_repo_id("./org/name") and not hub.looks_like_repo_id("a/b/c")
+
+
 @pytest.mark.parametrize("spec, why", [
     ("org/a..b", "Cannot have -- or .."),
     ("org/name.", "cannot start or end with"),

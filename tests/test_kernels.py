@@ -304,6 +304,15 @@ def test_the_cpu_attention_kernel_leaves_what_it_cannot_read_to_the_fallback():
     assert not cpu_kernel.attention_takes(q, keys, narrow, 32, 4)  # values narrower than keys
 
 
+def test_a_batch_is_its_own_expert_configuration_for_the_first_use_check():
+    """Its launches share reads (SHARE > 1), another kernel than one token's: checked apart."""
+    gate, up = (quantized_experts(4, 64, 128, 32, 4) for _ in range(2))
+    down = quantized_experts(4, 128, 64, 32, 4)
+    one = expert_module._config(mx.zeros((1, 128)), mx.array([[0, 1]], mx.uint32), gate, up, down)
+    batch = expert_module._config(mx.zeros((3, 128)), mx.array([[0, 1]] * 3, mx.uint32), gate, up, down)
+    assert one != batch
+
+
 @needs_cpu_kernel
 def test_tokens_that_share_experts_get_what_each_gets_alone():
     """A batch's tokens share their experts' reads (the work goes expert by expert); each

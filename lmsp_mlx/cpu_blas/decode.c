@@ -358,8 +358,8 @@ int lmsp_decode_step(const lmsp_model *m, int32_t token, int32_t pos, const floa
  * weight row is read once for the whole batch: each 8-float slice of a row meets every
  * sequence's input while it sits in a register (row_batch4/8).
  *
- * Each sequence keeps its own plain float32 cache (the KV session it started from): no
- * merged batch cache, no padding, its own position. A row's sum runs in the same order as
+ * Each sequence keeps its own float32 cache, plain or quantized (the KV session it started
+ * from): no merged batch cache, no padding, its own position. A row's sum runs in the same order as
  * the one-sequence step's (8-lane FMA over the row, hsum8, then the tail), so a sequence
  * gets bitwise the logits it gets alone, whatever else is in the batch. */
 
@@ -426,8 +426,9 @@ static void gemm_part(const float *w, const float *x, float *y, int64_t m, int64
 int64_t lmsp_decode_batch_scratch(const lmsp_model *m, int32_t nb, const int32_t *pos) {
     int64_t positions = 0;
     for (int32_t s = 0; s < nb; s++) positions += (int64_t)pos[s] + 1;
+    /* a plain cache's score rows; a quantized cache's attention keeps its own state */
     return nb * (3 * (int64_t)m->dim + (2 * (int64_t)m->n_heads + 2 * m->n_kv_heads) * m->head_dim +
-                 2 * (int64_t)m->hidden) + (int64_t)m->n_heads * positions;
+                 2 * (int64_t)m->hidden) + (m->kv_bits ? 0 : (int64_t)m->n_heads * positions);
 }
 
 /* A quantized batch's attention state: each row's (KV head, split) tasks, numbered across

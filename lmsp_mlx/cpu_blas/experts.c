@@ -164,6 +164,7 @@ LMSP_CLONES int lmsp_expert_swiglu(const float *x, const uint32_t *idx, int64_t 
     const int64_t pairs = tokens * k;
     for (int64_t p = 0; p < pairs; p++)
         if (idx[p] >= (uint64_t)experts) return -1;
+    if (pairs == 0) return 0;
     int64_t *order, *at, *run_expert;
     const int64_t runs = group_by_expert(idx, pairs, experts, &order, &at, &run_expert);
     if (runs < 0) return -2;

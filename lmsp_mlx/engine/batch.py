@@ -80,6 +80,8 @@ class Batch:
         failed: dict[Sequence, Exception] = {}
         batch_step = getattr(self.lm.model, "batch_step", None)
         compiled, merged, alone = _plan(seqs, batch_step)
+        for s in compiled:  # a merged member's newest K/V are in the merged cache: hand them back first
+            self._merged.release(s)
         runs = ((compiled, lambda group: batch_step([s.pending for s in group], [s.cache for s in group])),
                 (merged, lambda group: self._merged.step(self.lm, group)))
         for group, run in runs:
@@ -116,7 +118,7 @@ def _plan(seqs: list[Sequence], batch_step) -> tuple[list[Sequence], list[Sequen
     rest = [s for s in seqs if not any(s is c for c in compiled)]
     kinds = {id(s): _merge_kind(s) for s in rest}
     merged = _commonest(rest, lambda s: kinds[id(s)])
-    if len(merged) == 1 and not compiled:  # one row after all: its own pass
+    if len(merged) == 1:  # one row: its own pass, with no merge
         merged = []
     alone = [s for s in rest if not any(s is m for m in merged)]
     for s in alone:

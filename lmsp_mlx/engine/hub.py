@@ -27,8 +27,9 @@ class HubError(RuntimeError):
 
 
 def looks_like_repo_id(text: str) -> bool:
-    """`org/name...` rather than a path: one slash, not leading (an id may still be malformed)."""
-    return text.count("/") == 1 and not text.startswith(("/", "./", "../", "~"))
+    """`org/name...` rather than a path: one slash before any @revision (which may hold
+    slashes, `refs/pr/1`), not leading (an id may still be malformed)."""
+    return text.partition("@")[0].count("/") == 1 and not text.startswith(("/", "./", "../", "~"))
 
 
 def invalid(spec: str) -> str | None:

@@ -120,7 +120,7 @@ def _make_pool(lm: LoadedModel, cs: CacheSettings, calls: CallMemory) -> Session
         except ValueError as exc:
             raise ModelLoadError(f"--kv-bits {cs.policy.kv_bits} with --kv-group-size {cs.policy.kv_group_size} "
                                  f"does not fit {lm.id}: {exc}") from None
-        except (AttributeError, TypeError):  # an attention that reads its cache as arrays (DeepSeek V3's MLA)
+        except (AttributeError, TypeError) as exc:  # an attention that reads its cache as arrays (DeepSeek V3's MLA)
             raise ModelLoadError(f"--kv-bits does not fit {lm.id}: its attention ({type(lm.model).__module__}) "
-                                 "does not read a quantized KV cache") from None
+                                 f"does not read a quantized KV cache ({type(exc).__name__}: {exc})") from None
     return pool

@@ -259,6 +259,9 @@ RESERVED_TEMPLATE_ARGS = frozenset({
     "messages", "conversation", "tools", "documents", "add_generation_prompt", "continue_final_message",
     "tokenize", "chat_template", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs", "padding",
     "truncation", "max_length", "return_tensors",
+    # the tokenizer's special tokens and the template's own helpers, which a rendering also sets
+    "bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token",
+    "additional_special_tokens", "raise_exception", "strftime_now",
 })
 
 
