@@ -159,7 +159,7 @@ def test_a_stream_starts_while_its_model_loads_with_keep_alives(start_server, ti
     build_tiny_model(store / "wide", head_dim=64)
     budget = 1.3 * (tiny_model_dir / "model.safetensors").stat().st_size / 2**20
     server = start_server("--model", str(tiny_model_dir), "--model", str(second_dir), "--keep-alive", "-1",
-                          "--sse-keepalive", "0.01", "--models-dir", str(store), "--memory-budget-mb", f"{budget:.3f}")
+                          "--sse-keepalive", "0.001", "--models-dir", str(store), "--memory-budget-mb", f"{budget:.3f}")
     with httpx.stream("POST", server.url + "/lmsp/v1/responses", timeout=120,
                       json=ask(model="second", max_output_tokens=4, stream=True)) as r:
         assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
