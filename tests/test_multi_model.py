@@ -208,41 +208,44 @@ def test_a_store_model_removed_while_loaded_serves_until_unloaded(start_server, 
     assert respond(server, "copy").status_code == 404
 
 
+def stream_lines(server, path: str, body: dict) -> list[str]:
+    """A stream's non-empty lines, its status line 200."""
+    with httpx.stream("POST", server.url + path, json=body, timeout=120) as r:
+        assert r.status_code == 200
+        return [l for l in r.iter_lines() if l]
+
+
+def unload(server, model: str) -> None:
+    assert httpx.post(f"{server.url}/lmsp/v1/models/{model}/unload", timeout=60).json()["loaded"] is False
+
+
 def test_a_chat_stream_starts_while_its_model_loads(start_server, tiny_model_dir, second_dir):
     # A reload of a tiny model can take about 10 ms: keep-alives every millisecond come before its end.
     server = start_server("--model", str(tiny_model_dir), "--model", str(second_dir), "--keep-alive", "-1",
                           "--sse-keepalive", "0.001")
     body = {"model": "second", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4, "stream": True}
-    with httpx.stream("POST", server.url + "/v1/chat/completions", json=body, timeout=120) as r:
-        assert r.status_code == 200
-        lines = [l for l in r.iter_lines() if l]
+    lines = stream_lines(server, "/v1/chat/completions", body)
     assert lines[0] == ": keep-alive" and lines[-1] == "data: [DONE]"
     chunks = [json.loads(l[6:]) for l in lines if l.startswith("data: {")]
     assert chunks[0]["model"] == "second" and chunks[-1]["choices"][0]["finish_reason"] == "length"
     missing = httpx.post(server.url + "/v1/chat/completions", json={**body, "model": "nope"})
     assert missing.status_code == 404  # an unknown model is no load: still its status line
     # Anthropic's Messages stream too: keep-alives while the load runs, then its events.
-    assert httpx.post(server.url + "/lmsp/v1/models/second/unload", timeout=60).json()["loaded"] is False
-    with httpx.stream("POST", server.url + "/v1/messages", json=body, timeout=120) as r:
-        assert r.status_code == 200
-        lines = [l for l in r.iter_lines() if l]
+    unload(server, "second")
+    lines = stream_lines(server, "/v1/messages", body)
     assert lines[0] == ": keep-alive" and lines[-2:] == ["event: message_stop", 'data: {"type":"message_stop"}']
     assert lines[lines.index("event: message_start") - 1] == ": keep-alive"
     missing = httpx.post(server.url + "/v1/messages", json={**body, "model": "nope"})
     assert missing.status_code == 404 and missing.json()["error"]["type"] == "not_found_error"
     # Text completions too, and a refusal after the load is OpenAI's error frame, then [DONE].
-    assert httpx.post(server.url + "/lmsp/v1/models/second/unload", timeout=60).json()["loaded"] is False
+    unload(server, "second")
     text = {"model": "second", "prompt": "Once upon", "max_tokens": 4, "stream": True}
-    with httpx.stream("POST", server.url + "/v1/completions", json=text, timeout=120) as r:
-        assert r.status_code == 200
-        lines = [l for l in r.iter_lines() if l]
+    lines = stream_lines(server, "/v1/completions", text)
     assert lines[0] == ": keep-alive" and lines[-1] == "data: [DONE]"
     chunks = [json.loads(l[6:]) for l in lines if l.startswith("data: {")]
     assert chunks[0]["object"] == "text_completion" and chunks[-1]["choices"][0]["finish_reason"] == "length"
-    assert httpx.post(server.url + "/lmsp/v1/models/second/unload", timeout=60).json()["loaded"] is False
-    with httpx.stream("POST", server.url + "/v1/completions", json={**text, "prompt": [10**9]}, timeout=120) as r:
-        assert r.status_code == 200
-        lines = [l for l in r.iter_lines() if l]
+    unload(server, "second")
+    lines = stream_lines(server, "/v1/completions", {**text, "prompt": [10**9]})
     assert lines[-1] == "data: [DONE]"
     error = json.loads(lines[-2][6:])["error"]
     assert error["param"] == "prompt" and "outside the vocabulary" in error["message"]

@@ -215,13 +215,31 @@ typedef struct {
     int64_t per_thread;
 } QuantizedStep;
 
-static lmsp_rows cache_rows(const uint32_t *w, const float *s, const float *b, const lmsp_model *m,
-                            const QuantizedStep *qa) {
-    const int64_t cap = m->capacity;
-    lmsp_rows r = {w, s, b, {0}, {0}, {0}};
-    r.ws[1] = cap * qa->words, r.ws[2] = qa->words;
-    r.ss[1] = r.bs[1] = cap * qa->groups, r.ss[2] = r.bs[2] = qa->groups;
+/* A cache part's rows for attention.c: (head, row) strides of a cache of `cap` positions. */
+static lmsp_rows part_rows(const uint32_t *w, const float *sc, const float *b, int64_t cap, int64_t words,
+                           int64_t groups) {
+    lmsp_rows r = {w, sc, b, {0}, {0}, {0}};
+    r.ws[1] = cap * words, r.ws[2] = words;
+    r.ss[1] = r.bs[1] = cap * groups, r.ss[2] = r.bs[2] = groups;
     return r;
+}
+
+/* The team's size outside a parallel region, and this thread's share of per-thread scratch inside one. */
+static int64_t team_size(void) {
+#ifdef _OPENMP
+    return omp_get_max_threads();
+#else
+    return 1;
+#endif
+}
+
+static float *thread_scratch(float *scratch, int64_t per_thread) {
+#ifdef _OPENMP
+    return scratch + omp_get_thread_num() * per_thread;
+#else
+    (void)per_thread;
+    return scratch;
+#endif
 }
 
 /* The layer's attention over its quantized cache, positions 0..n-1, by this thread's share
@@ -230,13 +248,10 @@ static lmsp_rows cache_rows(const uint32_t *w, const float *s, const float *b, c
 static void attend_quantized(const lmsp_model *m, const lmsp_layer *ly, const QuantizedStep *qa, int64_t n,
                              float *att) {
     const int64_t hd = m->head_dim, rows = qa->rows, splits = qa->splits, tasks = m->n_kv_heads * splits;
-    const lmsp_rows keys = cache_rows(ly->key_codes, ly->key_scales, ly->key_biases, m, qa);
-    const lmsp_rows values = cache_rows(ly->value_codes, ly->value_scales, ly->value_biases, m, qa);
-#ifdef _OPENMP
-    float *scratch = qa->scratch + omp_get_thread_num() * qa->per_thread;
-#else
-    float *scratch = qa->scratch;
-#endif
+    const lmsp_rows keys = part_rows(ly->key_codes, ly->key_scales, ly->key_biases, m->capacity, qa->words, qa->groups);
+    const lmsp_rows values = part_rows(ly->value_codes, ly->value_scales, ly->value_biases, m->capacity, qa->words,
+                                       qa->groups);
+    float *scratch = thread_scratch(qa->scratch, qa->per_thread);
 #pragma omp for schedule(dynamic)
     for (int64_t t = 0; t < tasks; t++) {
         const int64_t head = t / splits, p0 = t % splits * qa->split;
@@ -269,11 +284,7 @@ static int64_t quantized_split(const lmsp_model *m, int64_t n, int64_t threads) 
 /* The step's state for a quantized cache of n positions; 0, or -1 out of memory. */
 static int prepare_quantized(const lmsp_model *m, int64_t n, QuantizedStep *qa) {
     const int64_t hd = m->head_dim, nkv = m->n_kv_heads;
-#ifdef _OPENMP
-    const int64_t threads = omp_get_max_threads();
-#else
-    const int64_t threads = 1;
-#endif
+    const int64_t threads = team_size();
     qa->fast = lmsp_attention_fast(m->kv_bits);
     qa->split = quantized_split(m, n, threads);
     qa->rows = m->n_heads / nkv, qa->splits = (n + qa->split - 1) / qa->split;
@@ -449,11 +460,7 @@ static void free_batch_quantized(BatchQuantized *bq) {
 
 static int prepare_batch_quantized(const lmsp_model *m, int64_t nb, const int32_t *pos, BatchQuantized *bq) {
     const int64_t hd = m->head_dim, nkv = m->n_kv_heads, rows = m->n_heads / nkv;
-#ifdef _OPENMP
-    const int64_t threads = omp_get_max_threads();
-#else
-    const int64_t threads = 1;
-#endif
+    const int64_t threads = team_size();
     bq->fast = lmsp_attention_fast(m->kv_bits);
     bq->task_at = malloc(sizeof(int64_t) * (nb + 1)), bq->split = malloc(sizeof(int64_t) * nb);
     if (!bq->task_at || !bq->split) return free_batch_quantized(bq), -1;
@@ -477,14 +484,6 @@ static int prepare_batch_quantized(const lmsp_model *m, int64_t nb, const int32_
     return 0;
 }
 
-static lmsp_rows part_rows(const uint32_t *w, const float *sc, const float *b, int64_t cap, int64_t words,
-                           int64_t groups) {
-    lmsp_rows r = {w, sc, b, {0}, {0}, {0}};
-    r.ws[1] = cap * words, r.ws[2] = words;
-    r.ss[1] = r.bs[1] = cap * groups, r.ss[2] = r.bs[2] = groups;
-    return r;
-}
-
 /* Layer l's attention for every row over its own quantized cache, by this thread's share
  * of the team: each row's tasks exactly as its step alone splits them, then each (row, KV
  * head)'s merge; q is scaled and reordered in bq->qs. */
@@ -492,11 +491,7 @@ static void attend_batch_quantized(const lmsp_model *m, int64_t l, int64_t nb, c
                                    const lmsp_cache *caches, const BatchQuantized *bq, float *att) {
     const int64_t hd = m->head_dim, nkv = m->n_kv_heads, rows = m->n_heads / nkv, L = m->n_layers;
     const int64_t words = hd * m->kv_bits / 32, groups = hd / m->kv_group;
-#ifdef _OPENMP
-    float *scratch = bq->scratch + omp_get_thread_num() * bq->per_thread;
-#else
-    float *scratch = bq->scratch;
-#endif
+    float *scratch = thread_scratch(bq->scratch, bq->per_thread);
 #pragma omp for schedule(dynamic)
     for (int64_t t = 0; t < bq->tasks; t++) {
         const int64_t s = bq->task_row[t], local = t - bq->task_at[s], n = (int64_t)pos[s] + 1;
@@ -516,26 +511,6 @@ static void attend_batch_quantized(const lmsp_model *m, int64_t l, int64_t nb, c
         lmsp_attention_merge(bq->fast, bq->tops + first * rows, bq->totals + first * rows, bq->accs + first * rows * hd,
                              splits, rows, hd, m->kv_bits, att + (s * m->n_heads + head * rows) * hd,
                              scratch + bq->per_thread - hd);
-    }
-}
-
-/* Row s's new K and V (n_kv_heads x head_dim each) into its cache of layer l at pos[s]:
- * copied into a plain cache, quantized as mx.quantize does into a quantized one. */
-static void store_row(const lmsp_model *m, const lmsp_cache *c, int64_t cap, int64_t pos, const float *k,
-                      const float *v) {
-    const int64_t hd = m->head_dim;
-    for (int64_t j = 0; j < m->n_kv_heads; j++) {
-        const int64_t row = j * cap + pos;
-        if (!m->kv_bits) {
-            memcpy(c->keys + row * hd, k + j * hd, (size_t)hd * sizeof(float));
-            memcpy(c->values + row * hd, v + j * hd, (size_t)hd * sizeof(float));
-            continue;
-        }
-        const int64_t words = hd * m->kv_bits / 32, groups = hd / m->kv_group;
-        lmsp_quantize_row(k + j * hd, hd, m->kv_bits, m->kv_group, c->key_codes + row * words,
-                          c->key_scales + row * groups, c->key_biases + row * groups);
-        lmsp_quantize_row(v + j * hd, hd, m->kv_bits, m->kv_group, c->value_codes + row * words,
-                          c->value_scales + row * groups, c->value_biases + row * groups);
     }
 }
 
@@ -587,7 +562,7 @@ int lmsp_decode_batch(const lmsp_model *m, int32_t nb, const int32_t *tokens, co
                 add_bias(vs, ly->bv, nkv * hd);
                 for (int64_t j = 0; j < nh; j++) rope_head(qs + j * hd, m->rope_dims, cos + s * half, sin + s * half);
                 for (int64_t j = 0; j < nkv; j++) rope_head(ks + j * hd, m->rope_dims, cos + s * half, sin + s * half);
-                store_row(m, &caches[s * L + l], cap[s], pos[s], ks, vs);
+                lmsp_store_cache(m, &caches[s * L + l], cap[s], ks, vs, pos[s]);
                 if (m->kv_bits) lmsp_attention_queries(bq.fast, qs, bq.qs + s * nh * hd, nh, hd, m->kv_bits, m->scale);
             }
             if (m->kv_bits) {

@@ -82,19 +82,26 @@ void lmsp_dequantize_rows(const uint32_t *w, const float *s, const float *b, int
     }
 }
 
-void lmsp_store_kv(const lmsp_model *m, const lmsp_layer *ly, const float *k, const float *v, int64_t pos) {
+void lmsp_store_cache(const lmsp_model *m, const lmsp_cache *c, int64_t cap, const float *k, const float *v,
+                      int64_t pos) {
     const int64_t hd = m->head_dim;
     for (int64_t j = 0; j < m->n_kv_heads; j++) {
-        const int64_t row = j * m->capacity + pos;
+        const int64_t row = j * cap + pos;
         if (!m->kv_bits) {
-            memcpy(ly->keys + row * hd, k + j * hd, (size_t)hd * sizeof(float));
-            memcpy(ly->values + row * hd, v + j * hd, (size_t)hd * sizeof(float));
+            memcpy(c->keys + row * hd, k + j * hd, (size_t)hd * sizeof(float));
+            memcpy(c->values + row * hd, v + j * hd, (size_t)hd * sizeof(float));
             continue;
         }
         const int64_t words = hd * m->kv_bits / 32, groups = hd / m->kv_group;
-        lmsp_quantize_row(k + j * hd, hd, m->kv_bits, m->kv_group, ly->key_codes + row * words,
-                          ly->key_scales + row * groups, ly->key_biases + row * groups);
-        lmsp_quantize_row(v + j * hd, hd, m->kv_bits, m->kv_group, ly->value_codes + row * words,
-                          ly->value_scales + row * groups, ly->value_biases + row * groups);
+        lmsp_quantize_row(k + j * hd, hd, m->kv_bits, m->kv_group, c->key_codes + row * words,
+                          c->key_scales + row * groups, c->key_biases + row * groups);
+        lmsp_quantize_row(v + j * hd, hd, m->kv_bits, m->kv_group, c->value_codes + row * words,
+                          c->value_scales + row * groups, c->value_biases + row * groups);
     }
+}
+
+void lmsp_store_kv(const lmsp_model *m, const lmsp_layer *ly, const float *k, const float *v, int64_t pos) {
+    const lmsp_cache c = {ly->keys, ly->values, ly->key_codes, ly->value_codes,
+                          ly->key_scales, ly->key_biases, ly->value_scales, ly->value_biases};
+    lmsp_store_cache(m, &c, m->capacity, k, v, pos);
 }

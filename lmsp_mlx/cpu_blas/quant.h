@@ -19,8 +19,12 @@ void lmsp_quantize_row(const float *x, int64_t d, int bits, int group, uint32_t 
 void lmsp_dequantize_rows(const uint32_t *w, const float *s, const float *b, int64_t rows, int64_t d, int bits,
                           int group, float *out);
 
-/* One position's K and V (n_kv_heads x head_dim each) into the layer's cache at `pos`:
- * copied into a plain cache, quantized into a quantized one (m->kv_bits). */
+/* One position's K and V (n_kv_heads x head_dim each) into a cache of `cap` positions at
+ * `pos`: copied into a plain cache, quantized into a quantized one (m->kv_bits). */
+void lmsp_store_cache(const lmsp_model *m, const lmsp_cache *c, int64_t cap, const float *k, const float *v,
+                      int64_t pos);
+
+/* The same into the layer's own cache (m->capacity positions). */
 void lmsp_store_kv(const lmsp_model *m, const lmsp_layer *ly, const float *k, const float *v, int64_t pos);
 
 #endif
