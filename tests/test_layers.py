@@ -13,8 +13,9 @@ ROOT = Path(__file__).resolve().parent.parent
 SOURCES = {"lmsp_mlx": ROOT / "lmsp_mlx", "lmsp_mlx.kernels": ROOT / "kernels"}
 
 # A module may import its own layer or any lower one. The root package holds the versions.
-# serve and models are the entry points (python -m lmsp_mlx.serve, python -m lmsp_mlx.models), cli their flag parser.
-LAYER = {"serve": 5, "models": 5, "cli": 5, "http": 4, "service": 3, "engine": 2, "cache": 1, "store": 1, "protocol": 1,
+# serve and models are the entry points (python -m lmsp_mlx.serve, python -m lmsp_mlx.models), cli and flags
+# their flag parsers; settings, the typed settings every layer reads, imports nothing of the package.
+LAYER = {"serve": 5, "models": 5, "cli": 5, "flags": 5, "settings": 0, "http": 4, "service": 3, "engine": 2, "cache": 1, "store": 1, "protocol": 1,
          "kernels": 0, "cpu_blas": 0, "": 0}
 
 

@@ -37,20 +37,10 @@ from mlx_lm.models.cache import KVCache, QuantizedKVCache, make_prompt_cache
 
 from .disk import CheckpointStore
 from ..protocol.auth import LOCAL_OWNER
+from ..settings import CacheSettings
 from .session import Binding, Session
 
 log = logging.getLogger("lmsp_mlx.cache")
-
-
-@dataclass(frozen=True)
-class Policy:
-    memory_bytes: int = 2048 * 2**20
-    checkpoint_min_tokens: int = 512  # checkpoint after prefilling at least this many new tokens
-    checkpoint_every: int = 2048  # ... or once the context grew this much since the last one
-    checkpoint_on_evict: bool = True
-    checkpoint_on_shutdown: bool = True
-    kv_bits: int | None = None  # quantized KV (QuantizedKVCache) for models whose layers all use KVCache
-    kv_group_size: int = 64
 
 
 # Where a request's KV came from, in the lookup order (module docstring), as the
@@ -81,7 +71,7 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 
 
 class SessionPool:
-    def __init__(self, model, tokenizer, policy: Policy, disk: CheckpointStore | None = None) -> None:
+    def __init__(self, model, tokenizer, policy: CacheSettings, disk: CheckpointStore | None = None) -> None:
         self.model = model
         self.tokenizer = tokenizer
         self.policy = policy

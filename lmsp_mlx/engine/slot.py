@@ -24,18 +24,12 @@ import mlx.core as mx
 
 from ..cache.calls import CallMemory
 from ..cache.disk import CheckpointStore
-from ..cache.pool import Policy, SessionPool
+from ..cache.pool import SessionPool
+from ..settings import CacheSettings
 from .batch import Batch
 from .loader import LoadedModel, LoadOptions, ModelLoadError, check_model_dir, load_model
 
 log = logging.getLogger("lmsp_mlx.engine")
-
-
-@dataclass(frozen=True)
-class CacheSettings:
-    policy: Policy = Policy()
-    disk_dir: Path | None = None  # None: no checkpoints on disk
-    disk_bytes: int = 4096 * 2**20
 
 
 @dataclass(frozen=True)
@@ -103,8 +97,8 @@ def close_slot(slot: ModelSlot) -> None:
 
 def _make_pool(lm: LoadedModel, cs: CacheSettings, calls: CallMemory) -> SessionPool:
     fingerprint = lm.fingerprint
-    if cs.policy.kv_bits:  # checkpoints of quantized KV belong to their own folder
-        lm.kv_cache = f"{cs.policy.kv_bits}-bit, group {cs.policy.kv_group_size}"
+    if cs.kv_bits:  # checkpoints of quantized KV belong to their own folder
+        lm.kv_cache = f"{cs.kv_bits}-bit, group {cs.kv_group_size}"
         fingerprint = hashlib.sha256(f"{fingerprint}:kv:{lm.kv_cache}".encode()).hexdigest()
     disk = None
     if cs.disk_dir is not None:
@@ -113,12 +107,12 @@ def _make_pool(lm: LoadedModel, cs: CacheSettings, calls: CallMemory) -> Session
             disk = CheckpointStore(cs.disk_dir, fingerprint, cs.disk_bytes, calls=calls, vocab_size=vocab)
         except OSError as exc:
             log.warning("kv disk %s unusable (%s): checkpoints are off", cs.disk_dir, exc)
-    pool = SessionPool(lm.model, lm.tokenizer, cs.policy, disk)
-    if cs.policy.kv_bits:  # a quantized cache the model cannot use is a start-up error, not a 500 later
+    pool = SessionPool(lm.model, lm.tokenizer, cs, disk)
+    if cs.kv_bits:  # a quantized cache the model cannot use is a start-up error, not a 500 later
         try:
             mx.eval(lm.model(mx.array([[0]]), cache=pool.new_cache()))
         except ValueError as exc:
-            raise ModelLoadError(f"--kv-bits {cs.policy.kv_bits} with --kv-group-size {cs.policy.kv_group_size} "
+            raise ModelLoadError(f"--kv-bits {cs.kv_bits} with --kv-group-size {cs.kv_group_size} "
                                  f"does not fit {lm.id}: {exc}") from None
         except (AttributeError, TypeError) as exc:  # an attention that reads its cache as arrays (DeepSeek V3's MLA)
             raise ModelLoadError(f"--kv-bits does not fit {lm.id}: its attention ({type(lm.model).__module__}) "

@@ -37,7 +37,9 @@ from .generate import GenerationParams
 from .loader import LoadedModel
 from .memory import HeapTrimmer
 from .models import ModelSet
-from .slot import CacheSettings, ModelSlot, ModelSpec, SlotState, close_slot, footprint, open_slot
+from ..settings import CacheSettings, EngineSettings
+from .footprint import budget_bytes
+from .slot import ModelSlot, ModelSpec, SlotState, close_slot, footprint, open_slot
 from .sequence import Phase, Sequence
 from .turn import Conversation, TurnOutput
 
@@ -137,10 +139,22 @@ class Counters:
 
 
 @dataclass(frozen=True)
-class Memory:
-    """What the process holds, for /metrics: the resident KV sessions (as the worker last
-    counted them) and MLX's allocator, whose cache keeps freed buffers for reuse."""
+class EngineSnapshot:
+    """The engine at one instant, for /metrics (http/metrics.py): the queue and batch, the
+    loaded models, the counters (copied under their lock, so they agree with each other),
+    the resident KV sessions as the worker last counted them, and MLX's allocator, whose
+    cache keeps freed buffers for reuse."""
 
+    queue_depth: int
+    busy: bool
+    batch_sequences: int
+    batch_max: int
+    models_loaded: int
+    requests: dict[str, int]  # generations by final status
+    prompt_tokens: int
+    output_tokens: int
+    lookups: dict[CacheSource, int]
+    live_continuations: int
     kv_sessions: int
     kv_bytes: int
     mlx_active_bytes: int
@@ -150,31 +164,20 @@ class Memory:
 _WAKE = object()  # in the job queue: the worker has control work (an unload), not a job
 
 
-@dataclass(frozen=True)
-class ModelLimits:
-    """How many models may be loaded at once, and for how long an idle one stays (engine/models.py)."""
-
-    max_loaded: int = 1  # --max-loaded-models
-    keep_alive: float = math.inf  # --keep-alive, in seconds
-    budget: int | None = None  # bytes their weights may take (None: unchecked)
-    budget_source: str = ""  # how the budget was found, for the refusal's line
-
-
 class Engine:
-    def __init__(self, catalog: Catalog, *, ctx: int | None, max_queue: int, cache: CacheSettings = CacheSettings(),
-                 max_batch: int = 8, max_output_tokens: int | None = None, limits: ModelLimits = ModelLimits()):
+    def __init__(self, catalog: Catalog, settings: EngineSettings, cache: CacheSettings = CacheSettings()):
+        """`settings` has its backend's sizes filled in (EngineSettings.for_backend)."""
+        assert settings.max_batch is not None, "EngineSettings.for_backend fills max_batch in"
         self.catalog = catalog
-        self._ctx = ctx
+        self.settings = settings
         self._cache_settings = cache
-        self._limits = limits
         self.models: ModelSet | None = None  # the loaded models: the event loop's (start)
         self._loads = threading.Lock()  # one model loads at a time: each checked against the memory left
         self._control: list[tuple[ModelSlot, asyncio.AbstractEventLoop, asyncio.Future]] = []  # unloads for the worker
         self._control_lock = threading.Lock()
-        self._jobs: queue.Queue[Job | None] = queue.Queue(maxsize=max_queue)
+        self._jobs: queue.Queue[Job | None] = queue.Queue(maxsize=settings.max_queue)
         self.counters = Counters()
-        self.max_batch = max_batch
-        self._max_output = max_output_tokens  # the limit of a request that sets none (None: the context)
+        self.max_batch = settings.max_batch
         self._active: list[Running] = []  # the worker thread's; others only read a copy
         self._job_seconds = 1.0  # a moving average of the time a job holds the worker (for Retry-After)
         self._trim_heap = HeapTrimmer()  # after sequences end: see engine/memory.py
@@ -183,9 +186,9 @@ class Engine:
     def start(self) -> LoadedModel:
         """Load the default model and the pinned ones (or raise why not), then start the worker."""
         first = None
-        self.models = ModelSet(self.catalog.find, self._load, self._retire, max_loaded=self._limits.max_loaded,
-                               keep_alive=self._limits.keep_alive, budget=self._limits.budget,
-                               budget_source=self._limits.budget_source)
+        budget, source = budget_bytes(self.settings.memory_budget_bytes)
+        self.models = ModelSet(self.catalog.find, self._load, self._retire, max_loaded=self.settings.max_loaded_models,
+                               keep_alive=self.settings.keep_alive, budget=budget, budget_source=source)
         for spec in self.catalog.named:
             if spec is not self.catalog.named[0] and not spec.pinned:
                 continue
@@ -206,7 +209,8 @@ class Engine:
         with self._loads:
             if slot.size_bytes == 0:
                 slot.size_bytes = footprint(slot.spec)
-            open_slot(slot, ctx=self._ctx, cache=self._cache_settings, max_output_tokens=self._max_output)
+            open_slot(slot, ctx=self.settings.ctx, cache=self._cache_settings,
+                      max_output_tokens=self.settings.max_output_tokens)
         log.info("batch for %s: up to %d sequences decode together (--max-batch)", slot.id, self.max_batch)
 
     async def _load(self, slot: ModelSlot) -> None:
@@ -296,9 +300,16 @@ class Engine:
         """Sequences in the batch now."""
         return len(self._active)
 
-    def memory(self) -> Memory:
+    def snapshot(self) -> EngineSnapshot:
         c = self.counters
-        return Memory(c.kv_sessions, c.kv_bytes, mx.get_active_memory(), mx.get_cache_memory())
+        loaded = sum(self.models.loaded(m) for m in list(self.models.slots))
+        with c.lock:
+            return EngineSnapshot(
+                queue_depth=self.queued, busy=self.busy, batch_sequences=self.running, batch_max=self.max_batch,
+                models_loaded=loaded, requests=dict(c.requests), prompt_tokens=c.prompt_tokens,
+                output_tokens=c.output_tokens, lookups=dict(c.lookups), live_continuations=c.live_continuations,
+                kv_sessions=c.kv_sessions, kv_bytes=c.kv_bytes, mlx_active_bytes=mx.get_active_memory(),
+                mlx_cache_bytes=mx.get_cache_memory())
 
     @property
     def busy(self) -> bool:

@@ -1,8 +1,12 @@
-"""The Quart application: auth, web origins, LMSP-Version, problem documents, and the route blueprints."""
+"""The Quart application and its hooks: auth, web origins, LMSP-Version, one log line per
+request, problem documents; the routes are the blueprints of this package's modules.
+
+What runs beside the requests (store recovery, the retention sweeper, a shutdown's waits)
+is the service's `Lifecycle` (service/lifecycle.py), which the serving hooks start and stop;
+`/metrics` is http/metrics.py."""
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 
@@ -10,15 +14,12 @@ from quart import Quart, Response, g, has_request_context, request, websocket
 from werkzeug.exceptions import HTTPException
 
 from .. import LMSP_VERSION
-from ..engine.worker import Engine, QueueFull
+from ..engine.worker import QueueFull
 from ..protocol.problems import Problem
-from ..store import Database, IdempotencyKeys, StoredResponses, TaskLog
-from ..service.auth import Tokens
-from ..service.sealing import Sealer
-from ..service.state import ServerSettings, ServerState
-from ..service.tasks import Tasks
-from . import chat, completions, lmsp, messages, responses
-from .auth import authorize, requires
+from ..service.lifecycle import Lifecycle
+from ..service.state import ServerState
+from . import chat, completions, lmsp, messages, metrics, responses
+from .auth import authorize
 from .context import STATE
 from .origins import Origins
 from .problems import loggable_path, problem_response, queue_full
@@ -28,43 +29,28 @@ log = logging.getLogger("lmsp_mlx.server")
 _HTTP_CODES = {404: "not_found", 405: "method_not_allowed", 413: "payload_too_large"}
 
 
-def create_app(engine: Engine, settings: ServerSettings, tokens: Tokens, db: Database, state_key: bytes) -> Quart:
-    """The app over a started engine and an open store; tasks a previous process left
-    running are marked failed here, before any request can ask for them. `state_key` seals
-    the state clients carry (lmsp_mlx/service/sealing.py)."""
+def create_app(state: ServerState) -> Quart:
+    """The app over the server's state (service/lifecycle.py's `open_state`: a started engine,
+    an open store whose last process's unfinished work was already marked failed)."""
     app = Quart("lmsp_mlx")
     app.json.sort_keys = False  # keep the documented field order (id, object, ...)
-    app.config["MAX_CONTENT_LENGTH"] = settings.max_body_bytes
+    app.config["MAX_CONTENT_LENGTH"] = state.settings.server.max_body_bytes
     # Generations can outlast Quart's default 60 s response timeout; disconnects end them instead.
     app.config["RESPONSE_TIMEOUT"] = None
-    tasks = Tasks(TaskLog(db), IdempotencyKeys(db))
-    stored = StoredResponses(db)
-    tasks.recover(stored)
-    if lost := stored.recover(Problem("internal_error", "the service stopped while this response was "
-                                         "running").document()):
-        log.warning("%d stored response(s) were running when the service stopped: marked failed", lost)
-    app.extensions[STATE] = ServerState(engine, settings, tokens, stored, tasks,
-                                             Sealer(state_key, ""))  # each run's: Sealer.for_model
-    app.register_blueprint(lmsp.bp)
-    app.register_blueprint(responses.bp)
-    app.register_blueprint(chat.bp)
-    app.register_blueprint(completions.bp)
-    app.register_blueprint(messages.bp)
+    app.extensions[STATE] = state
+    for module in (lmsp, responses, chat, completions, messages, metrics):
+        app.register_blueprint(module.bp)
+    lifecycle = Lifecycle(state)
+    app.before_serving(lifecycle.begin)
+    app.after_serving(lifecycle.end)
+    _probes(app, state)
+    _hooks(app, state)
+    _error_handlers(app, state)
+    return app
 
-    @app.before_serving
-    async def start_sweeper():
-        engine.begin_serving()
-        app.extensions["lmsp_mlx_sweeper"] = asyncio.create_task(_sweep_forever(settings, stored, tasks))
 
-    @app.after_serving
-    async def stop_background():
-        app.extensions["lmsp_mlx_sweeper"].cancel()
-        await tasks.shutdown()
-        # Stored responses still running (their streams were ended by the shutdown) are
-        # kept as they ended before the process goes.
-        running = [r.run.ended() for r in list(app.extensions[STATE].running.values())]
-        if running:
-            await asyncio.wait([asyncio.ensure_future(r) for r in running], timeout=10)
+def _probes(app: Quart, state: ServerState) -> None:
+    engine = state.engine
 
     @app.get("/healthz")
     async def healthz():
@@ -77,36 +63,12 @@ def create_app(engine: Engine, settings: ServerSettings, tokens: Tokens, db: Dat
         # answer, like /healthz, naming where the APIs are.
         return {"service": "lmsp-mlx", "lmsp": "/lmsp/v1", "openai": "/v1", "anthropic": "/v1/messages"}
 
-    @app.get("/metrics")
-    @requires("admin")
-    async def metrics():
-        c, memory = engine.counters, engine.memory()
-        lines = [
-            "# TYPE lmsp_queue_depth gauge", f"lmsp_queue_depth {engine.queued}",
-            "# TYPE lmsp_busy gauge", f"lmsp_busy {int(engine.busy)}",
-            "# TYPE lmsp_batch_sequences gauge", f"lmsp_batch_sequences {engine.running}",
-            "# TYPE lmsp_batch_max gauge", f"lmsp_batch_max {engine.max_batch}",
-            "# TYPE lmsp_models_loaded gauge",
-            f"lmsp_models_loaded {sum(engine.models.loaded(m) for m in list(engine.models.slots))}",
-            "# TYPE lmsp_requests_total counter",
-            *(f'lmsp_requests_total{{status="{k}"}} {v}' for k, v in sorted(c.requests.items())),
-            "# TYPE lmsp_prompt_tokens_total counter", f"lmsp_prompt_tokens_total {c.prompt_tokens}",
-            "# TYPE lmsp_output_tokens_total counter", f"lmsp_output_tokens_total {c.output_tokens}",
-            "# TYPE lmsp_kv_lookups_total counter",
-            *(f'lmsp_kv_lookups_total{{source="{k}"}} {v}' for k, v in sorted(c.lookups.items())),
-            "# TYPE lmsp_kv_live_continuations_total counter",
-            f"lmsp_kv_live_continuations_total {c.live_continuations}",
-            "# TYPE lmsp_kv_sessions gauge", f"lmsp_kv_sessions {memory.kv_sessions}",
-            "# TYPE lmsp_kv_resident_bytes gauge", f"lmsp_kv_resident_bytes {memory.kv_bytes}",
-            "# TYPE lmsp_mlx_active_bytes gauge", f"lmsp_mlx_active_bytes {memory.mlx_active_bytes}",
-            "# TYPE lmsp_mlx_cache_bytes gauge", f"lmsp_mlx_cache_bytes {memory.mlx_cache_bytes}",
-            "# TYPE lmsp_http_responses_total counter",
-            *(f'lmsp_http_responses_total{{code="{k}"}} {v}'
-              for k, v in sorted(app.extensions[STATE].http_statuses.items())),
-        ]
-        return Response("\n".join(lines) + "\n", mimetype="text/plain; version=0.0.4")
 
-    origins = Origins(settings.cors_origins, enforce=not tokens.required)
+def _hooks(app: Quart, state: ServerState) -> None:
+    """Before a request: origin, auth and LMSP-Version; after it: the version header, CORS,
+    the reply counted for /metrics and its log line."""
+    tokens = state.tokens
+    origins = Origins(state.settings.server.cors_origins, enforce=not tokens.required)
 
     @app.before_request
     async def check_auth_and_version():
@@ -154,7 +116,7 @@ def create_app(engine: Engine, settings: ServerSettings, tokens: Tokens, db: Dat
     async def version_header(resp: Response) -> Response:
         resp.headers["LMSP-Version"] = LMSP_VERSION
         origins.decorate(resp, request.headers.get("Origin"))
-        statuses = app.extensions[STATE].http_statuses
+        statuses = state.http_statuses
         statuses[resp.status_code] = statuses.get(resp.status_code, 0) + 1
         # One line per request: a generation's is the worker's (tokens, rates, status), an
         # error's is problem_response's; the rest get theirs here, but for liveness probes.
@@ -162,6 +124,10 @@ def create_app(engine: Engine, settings: ServerSettings, tokens: Tokens, db: Dat
             log.info("request %s %s status=%d ms=%.0f", request.method, loggable_path(request.path), resp.status_code,
                      (time.perf_counter() - g.get("arrived", time.perf_counter())) * 1000)
         return resp
+
+
+def _error_handlers(app: Quart, state: ServerState) -> None:
+    """Every error is a problem document (http/problems.py renders it in the route's dialect)."""
 
     @app.errorhandler(Problem)
     async def on_problem(problem: Problem):
@@ -176,7 +142,7 @@ def create_app(engine: Engine, settings: ServerSettings, tokens: Tokens, db: Dat
         code = _HTTP_CODES.get(exc.code or 500, "invalid_request" if (exc.code or 500) < 500 else "internal_error")
         detail = exc.description or exc.name
         if exc.code == 413:
-            detail = f"the request body exceeds {settings.max_body_bytes} bytes"
+            detail = f"the request body exceeds {state.settings.server.max_body_bytes} bytes"
         # Keep what the HTTP error itself must say (e.g. `Allow` on a 405).
         headers = {k: v for k, v in exc.get_headers() if k.lower() != "content-type"}
         problem = Problem(code, detail, headers=headers)
@@ -188,22 +154,3 @@ def create_app(engine: Engine, settings: ServerSettings, tokens: Tokens, db: Dat
         method, path = (request.method, request.path) if has_request_context() else ("WEBSOCKET", websocket.path)
         log.exception("unhandled error on %s %s", method, loggable_path(path))
         return problem_response(Problem("internal_error", f"{type(exc).__name__}: {exc}"))
-
-    return app
-
-
-async def _sweep_forever(settings: ServerSettings, stored: StoredResponses, tasks: Tasks) -> None:
-    """Delete what is past retention, at a tenth of the shorter retention (at most every minute)."""
-    period = min(60.0, settings.event_retention / 10, settings.store_retention / 10)
-    while True:
-        try:
-            now = time.time()
-            gone = await asyncio.to_thread(stored.sweep, now - settings.store_retention)
-            logs, old = await asyncio.to_thread(tasks.log.sweep, now - settings.event_retention, now - settings.store_retention)
-            keys = await asyncio.to_thread(tasks.keys.sweep)
-            if gone or logs or old or keys:
-                log.info("store sweep: %d responses, %d task event logs, %d tasks, %d idempotency keys removed",
-                         gone, logs, old, keys)
-        except Exception:
-            log.exception("store sweep failed")
-        await asyncio.sleep(period)

@@ -25,7 +25,7 @@ async def create_completion():
     """OpenAI text completions: one choice, sync or streamed as text_completion chunks."""
     req = parse_completion(await read_json())
     s = state()
-    run = TextRun(s.engine, req, s.settings.prefill_step)
+    run = TextRun(s.engine, req, s.settings.engine.prefill_chunk)
     if await needs_load(req.model, req.stream):  # the stream starts while the model loads, with keep-alives
         return loading_stream(run.start, lambda run: TextReply(run, req).chunks(), openai_stream_error)
     await run.start()

@@ -75,7 +75,7 @@ async def count_tokens():
 
 def _mapped(req: MessagesRequest) -> Mapped:
     s = state()
-    mapped = to_responses(req, keep_billing=s.settings.keep_billing_header)
+    mapped = to_responses(req, keep_billing=s.settings.server.keep_billing_header)
     if mapped.billing and s.notice_once("billing-header"):
         log.info("Claude Code's x-anthropic-billing-header line is left out of system prompts: it changes every "
                  "request and would defeat KV reuse (--keep-billing-header renders it); said once")

@@ -28,7 +28,7 @@ def sse_response(events: AsyncIterator[str | SseEvent | V1Event], headers: dict[
     line goes out, which SSE clients ignore, so idle timeouts of clients and proxies do not
     cut a stream that is only waiting."""
     if keepalive is None:
-        keepalive = state().settings.sse_keepalive
+        keepalive = state().settings.server.sse_keepalive
     return Response(_with_keepalive(events, keepalive), mimetype="text/event-stream",
                     headers={**SSE_HEADERS, **(headers or {})})
 

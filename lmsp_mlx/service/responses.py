@@ -102,6 +102,6 @@ async def new_run(s: ServerState, who: str, route: Route, req: ResponsesRequest,
             finally:
                 s.running.pop(run.id, None)
 
-    run = ResponseRun(s.engine, req, route, s.settings.prefill_step, s.sealer, s.histories, history,
+    run = ResponseRun(s.engine, req, route, s.settings.engine.prefill_chunk, s.sealer, s.histories, history,
                       store if req.store or local is not None else None, compact=compact, stop=stop, owner=who)
     return run

@@ -1,30 +1,19 @@
 """What the service's functions share, passed to each explicitly: the engine (which owns
-the model), the store, tasks, tokens and settings. One `ServerState` per app."""
+the model), the store, tasks, tokens and settings. One `ServerState` per app, made by
+service/lifecycle.py's `open_state`."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 from ..engine.worker import Engine
+from ..settings import Settings
 from ..store import StoredResponses
 from .auth import Tokens
 from .compaction import Histories
 from .run import ResponseRun
 from .sealing import Sealer
 from .tasks import Tasks
-
-
-@dataclass(frozen=True)
-class ServerSettings:
-    prefill_step: int = 256
-    max_body_bytes: int = 16 * 1024 * 1024
-    store_retention: float = 30 * 86400.0  # seconds a stored response or task is kept
-    event_retention: float = 3600.0  # seconds a task's events stay replayable after it ended
-    sse_keepalive: float = 15.0  # seconds of silence on an event stream before a comment line keeps it open
-    cors_origins: tuple[str, ...] = ()  # web pages besides loopback ones that may call it (lmsp_mlx/http/origins.py)
-    # Render Claude Code's per-request billing line (protocol/messages.py) as the peers do,
-    # which makes every prompt differ from its first line: for measuring what it costs.
-    keep_billing_header: bool = False
 
 
 @dataclass(frozen=True)
@@ -38,7 +27,7 @@ class RunningResponse:
 @dataclass
 class ServerState:
     engine: Engine
-    settings: ServerSettings
+    settings: Settings  # its engine part with the backend's sizes filled in (serve.build)
     tokens: Tokens
     responses: StoredResponses
     tasks: Tasks
