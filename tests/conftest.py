@@ -1,9 +1,17 @@
-"""Fixtures: real servers (Hypercorn on a free loopback port, tests/servers.py) on real models."""
+"""Fixtures: real servers (Hypercorn on a free loopback port, tests/servers.py) on real models;
+and the tiers' rules (docs/testing.md).
+
+Two markers, registered in pyproject.toml, sort the suite: `slow` (npm clients, the default
+model, SIMT emulations and compiler builds, a server in a process of its own) and `gpu`
+(needs Metal or CUDA). `pytest -m "not slow"` is the inner loop. The rules are checked here,
+so that the fast tier stays fast: a test that uses the default model or starts a server
+process without `slow` fails, and a `gpu` test is skipped, with the reason, on a build
+without Metal or CUDA.
+"""
 
 from __future__ import annotations
 
 import os
-import re
 import sys
 from pathlib import Path
 
@@ -14,12 +22,41 @@ from lmsp_mlx.cpu_blas import accelerate
 
 accelerate()  # first: MLX binds its BLAS as mlx.core loads (lmsp_mlx/cpu_blas/__init__.py)
 
-sys.path.insert(0, str(Path(__file__).parent))
-from servers import InProcessServer, ProcessServer  # noqa: E402
-from tiny_model import ENDLESS, build_tiny_model  # noqa: E402
+from tests.servers import ROUTES, InProcessServer, ProcessServer  # noqa: E402
+from tests.tiny_model import CALLS, TOOL_SCRIPT, build_scripted_model, build_tiny_model  # noqa: E402
 
-DEFAULT_MODEL_ID = "SmolLM2-135M-Instruct"
 EXIT_STATUS = pytest.StashKey[int]()
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    from lmsp_mlx import kernels
+
+    backend = kernels.backend()
+    for item in items:
+        if "default_server" in item.fixturenames and item.get_closest_marker("slow") is None:
+            raise pytest.UsageError(f"{item.nodeid} uses the default model: mark it slow (docs/testing.md)")
+        if item.get_closest_marker("gpu") and backend is None:
+            item.add_marker(pytest.mark.skip(reason="needs Metal or CUDA: this MLX build is the CPU one"))
+
+
+class Running:
+    """The test being run, for the rules checked when a server starts."""
+
+    item: pytest.Item | None = None
+
+
+def pytest_runtest_setup(item) -> None:
+    Running.item = item
+
+
+@pytest.fixture(autouse=True)
+def _seeded() -> None:
+    """Every test starts from the same MLX random state, whichever tests ran before it in
+    this process: random inputs compared within a tolerance must not pass in one selection
+    of the suite and fail in another."""
+    import mlx.core as mx
+
+    mx.random.seed(0)
 
 
 @pytest.fixture(scope="session")
@@ -27,16 +64,42 @@ def tiny_model_dir(tmp_path_factory) -> Path:
     return build_tiny_model(tmp_path_factory.mktemp("models") / "tiny")
 
 
+@pytest.fixture(scope="session")
+def scripted_dir(tmp_path_factory) -> Path:
+    """The tiny model scripted to answer SCRIPTED_REPLY greedily (tests/tiny_model.py)."""
+    return build_scripted_model(tmp_path_factory.mktemp("models") / "scripted")
+
+
+@pytest.fixture(scope="session")
+def caller_dir(tmp_path_factory) -> Path:
+    """A scripted reasoning model: it reasons " the", then calls get_weather and get_time (TOOL_SCRIPT)."""
+    return build_scripted_model(tmp_path_factory.mktemp("models") / "caller", script=TOOL_SCRIPT, words=CALLS)
+
+
+def pytest_addoption(parser) -> None:
+    parser.addoption("--routes", action="store_true",
+                     help="fail unless the in-process servers' requests reached every route of the app")
+
+
 def pytest_sessionfinish(session, exitstatus) -> None:
+    if session.config.getoption("--routes") and exitstatus == 0:
+        missed = ROUTES.missed()
+        reached = len(ROUTES.served) - len(missed)
+        lines = [f"routes reached on in-process servers: {reached} of {len(ROUTES.served)}"]
+        lines += [f"  not reached: {route}" for route in missed]
+        session.config.pluginmanager.get_plugin("terminalreporter").write_line("\n" + "\n".join(lines))
+        if missed or not ROUTES.served:
+            exitstatus = session.exitstatus = pytest.ExitCode.TESTS_FAILED
     session.config.stash[EXIT_STATUS] = int(exitstatus)
 
 
 @pytest.hookimpl(trylast=True)
 def pytest_unconfigure(config) -> None:
-    """Leave without C++ static destructors once MLX ran on in-process servers' threads: they
-    can abort at exit ("terminate called without an active exception", ml-explore/mlx#3126),
-    as `python -m lmsp_mlx.serve` avoids too. Every report has been written by now."""
-    if InProcessServer.started and EXIT_STATUS in config.stash:
+    """Leave without C++ static destructors once MLX may have run on threads other than the
+    main one (in-process servers' workers, the tests' own threads): they can abort at exit
+    ("terminate called without an active exception", ml-explore/mlx#3126), as `python -m
+    lmsp_mlx.serve` avoids too. Every report has been written by now."""
+    if EXIT_STATUS in config.stash:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(config.stash[EXIT_STATUS])
@@ -55,6 +118,8 @@ class Starter:
     def __call__(self, *args: str, env: dict | None = None, process: bool = False) -> InProcessServer | ProcessServer:
         log = self._tmp.mktemp("server") / "server.log"
         if process or env is not None:
+            if Running.item is not None and Running.item.get_closest_marker("slow") is None:
+                pytest.fail(f"{Running.item.nodeid} starts a server process: mark it slow (docs/testing.md)")
             server = ProcessServer(list(args), log, env)
             self.started.append(server)
             return server.wait_ready()
@@ -112,72 +177,3 @@ def default_server(start_session_server) -> InProcessServer:
 def client(tiny_server):
     with httpx.Client(base_url=tiny_server.url, timeout=120) as c:
         yield c
-
-
-def ask(text: str = ENDLESS, **fields) -> dict:
-    """A /lmsp/v1/responses body for the tiny model: greedy, 8 tokens unless told."""
-    body = {"model": "tiny", "input": text, "temperature": 0, "max_output_tokens": 8}
-    body.update(fields)
-    return body
-
-
-def kv_lookups(server, headers: dict | None = None) -> dict[str, int]:
-    """Where the server's requests found their KV so far, by cache source (/metrics), with
-    "tool-output" counting the requests whose tool outputs alone continued live calls."""
-    text = httpx.get(server.url + "/metrics", headers=headers or {}, timeout=30).text
-    counts = {m.group(1): int(m.group(2)) for m in re.finditer(r'^lmsp_kv_lookups_total\{source="(\w+)"\} (\d+)$',
-                                                               text, re.M)}
-    counts["tool-output"] = int(re.search(r"^lmsp_kv_live_continuations_total (\d+)$", text, re.M).group(1))
-    return counts
-
-
-def lookups_during(server, call) -> dict[str, int]:
-    """The cache sources of the requests `call()` made (none other may run meanwhile)."""
-    before = kv_lookups(server)
-    call()
-    after = kv_lookups(server)
-    return {k: v - before.get(k, 0) for k, v in after.items() if v != before.get(k, 0)}
-
-
-def source_of(server, call, headers: dict | None = None):
-    """`call()`'s result, with the cache source of the one request it made recorded on
-    `server.sources` (none is where it failed before its lookup): a lookup kind, or
-    "tool-output" where its tool outputs alone continued the live calls. `headers`: what
-    /metrics needs (the admin scope) on a server with tokens."""
-    result = None
-
-    def run():
-        nonlocal result
-        result = call()
-
-    before = kv_lookups(server, headers)
-    run()
-    after = kv_lookups(server, headers)
-    found = {k: v - before.get(k, 0) for k, v in after.items() if v != before.get(k, 0)}
-    if "tool-output" in found:
-        found = {"tool-output": 1} if sum(found.values()) == 2 else found
-    assert sum(found.values()) <= 1, f"one request, several lookups: {found}"
-    server.sources.extend(found)
-    return result
-
-
-def read_sse(lines) -> list[dict]:
-    """Parse an SSE stream into [{'id':..., 'event':..., 'data':...}] records."""
-    import json
-
-    events, current = [], {}
-    for line in lines:
-        if line == "":
-            if current:
-                events.append(current)
-                current = {}
-            continue
-        if line.startswith(":"):  # a comment (the server's keep-alive): SSE clients ignore it
-            continue
-        field, _, value = line.partition(": ")
-        if field == "data" and value != "[DONE]":
-            value = json.loads(value)
-        current[field] = value
-    if current:
-        events.append(current)
-    return events

@@ -7,7 +7,10 @@ threads. `ProcessServer` is `python -m lmsp_mlx.serve` itself, for what needs a 
 signals, kill -9, environment variables and the exit status.
 
 Both have `url`, `port`, `args`, `log()`, `wait_for_log()` and `stop()`, and `sources`: the
-cache sources the tests' request helpers recorded (conftest.source_of); a process also has `proc`.
+cache sources the tests' request helpers recorded (tests.helpers.source_of); a process also has `proc`.
+
+`ROUTES` records which of the app's routes the in-process servers answered, for
+`pytest --routes` (docs/testing.md).
 """
 
 from __future__ import annotations
@@ -25,9 +28,57 @@ from pathlib import Path
 
 import httpx
 
-from lmsp_mlx import serve
+from lmsp_mlx import flags, serve
+from lmsp_mlx.settings import Settings
+from tests.helpers import HTTP
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+class RouteLog:
+    """The routes (method, rule) the in-process apps have, and those a request reached.
+
+    A request counts once the app matched it to a route and the auth and origin hooks let
+    it through, whatever the route then answered: a 400 still ran the route's own code."""
+
+    IGNORED = frozenset({"HEAD", "OPTIONS"})  # answered by Quart for every route
+
+    def __init__(self) -> None:
+        self.served: set[tuple[str, str]] = set()  # (method, endpoint)
+        self.reached: set[tuple[str, str]] = set()
+        self.rules: dict[str, str] = {}  # endpoint -> its first rule, for the report
+        self._lock = threading.Lock()
+
+    def watch(self, app) -> None:
+        """Record `app`'s routes, and every request that reaches one of them."""
+        from quart import request, websocket  # only the tests that watch an app need Quart
+
+        for rule in app.url_map.iter_rules():
+            if rule.endpoint == "static":
+                continue
+            methods = {"WEBSOCKET"} if rule.websocket else set(rule.methods or ()) - self.IGNORED
+            self.served |= {(m, rule.endpoint) for m in methods}  # two rules of one handler are one route
+            self.rules.setdefault(rule.endpoint, rule.rule)
+
+        async def on_request() -> None:
+            if request.url_rule is not None:
+                with self._lock:
+                    self.reached.add((request.method, request.url_rule.endpoint))
+
+        async def on_websocket() -> None:
+            if websocket.url_rule is not None:
+                with self._lock:
+                    self.reached.add(("WEBSOCKET", websocket.url_rule.endpoint))
+
+        app.before_request(on_request)
+        app.before_websocket(on_websocket)
+
+    def missed(self) -> list[str]:
+        """'METHOD rule' of each route no request reached."""
+        return sorted(f"{method} {self.rules[endpoint]}" for method, endpoint in self.served - self.reached)
+
+
+ROUTES = RouteLog()
 
 
 def free_port() -> int:
@@ -53,7 +104,7 @@ def private_args(args: list[str], where: Path) -> list[str]:
 class _LogFile:
     def __init__(self, log_path: Path) -> None:
         self.log_path = log_path
-        self.sources: list[str] = []  # conftest.source_of
+        self.sources: list[str] = []  # tests.helpers.source_of
 
     def log(self) -> str:
         return self.log_path.read_text()
@@ -88,7 +139,7 @@ class ProcessServer(_LogFile):
             if self.proc.poll() is not None:
                 raise RuntimeError(f"server exited {self.proc.returncode}:\n{self.log()}")
             try:
-                if httpx.get(self.url + "/healthz", timeout=1).status_code == 200:
+                if HTTP.get(self.url + "/healthz", timeout=1).status_code == 200:
                     return self
             except httpx.HTTPError:
                 pass
@@ -129,18 +180,16 @@ class InProcessServer(_LogFile):
     Servers start one at a time (`start` returns once it answers), which is what lets the
     log filter tell this server's worker threads from the others'."""
 
-    started = False  # whether any ran: MLX in threads needs the hard exit at the session's end (conftest)
-
     def __init__(self, args: list[str], log_path: Path) -> None:
         super().__init__(log_path)
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.args = private_args(args, log_path.parent)
         self.name = f"srv{self.port}"
-        parsed = serve.parse_args(["--port", str(self.port), *self.args])
+        settings = flags.parse(["--port", str(self.port), *self.args])
         self._handler = logging.FileHandler(log_path)
         self._handler.setFormatter(logging.Formatter(serve.LOG_FORMAT))
-        self._handler.setLevel(parsed.log_level.upper())
+        self._handler.setLevel(settings.server.log_level.upper())
         self._filter = _OwnThreads(self.name)
         self._handler.addFilter(self._filter)
         root = logging.getLogger()
@@ -151,8 +200,7 @@ class InProcessServer(_LogFile):
         self._service: serve.Service | None = None
         self._failed: BaseException | None = None
         self._ready = threading.Event()
-        self._thread = threading.Thread(target=self._run, args=(parsed,), name=self.name, daemon=True)
-        InProcessServer.started = True
+        self._thread = threading.Thread(target=self._run, args=(settings,), name=self.name, daemon=True)
 
     def start(self, timeout: float = 600) -> "InProcessServer":
         self._thread.start()
@@ -167,15 +215,16 @@ class InProcessServer(_LogFile):
                 self._detach()
                 raise RuntimeError(f"server stopped before it answered:\n{self.log()}")
             try:
-                if httpx.get(self.url + "/healthz", timeout=1).status_code == 200:
+                if HTTP.get(self.url + "/healthz", timeout=1).status_code == 200:
                     return self
             except httpx.HTTPError:
                 time.sleep(0.02)
         raise RuntimeError(f"server not ready after {timeout}s:\n{self.log()}")
 
-    def _run(self, parsed) -> None:
+    def _run(self, settings: Settings) -> None:
         try:
-            self._service = serve.build(parsed)
+            self._service = serve.build(settings)
+            ROUTES.watch(self._service.app)
         except BaseException as exc:  # StartError, or a bug: the test sees it either way
             self._failed = exc
             return

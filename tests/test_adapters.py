@@ -9,13 +9,13 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import httpx
 import mlx.core as mx
 import pytest
 from mlx.utils import tree_flatten
 
-from lmsp_mlx import serve
+from lmsp_mlx import flags, serve
 from lmsp_mlx.engine.loader import LoadOptions, load_model
+from tests.helpers import HTTP
 
 PROMPT = [5, 40, 41, 42, 43, 44]
 TOKENS = 12
@@ -53,7 +53,7 @@ def reference(model_dir: Path, adapter: Path | None) -> str:
 
 
 def completion(server, model: str) -> str:
-    r = httpx.post(server.url + "/v1/completions", timeout=120,
+    r = HTTP.post(server.url + "/v1/completions", timeout=120,
                    json={"model": model, "prompt": PROMPT, "max_tokens": TOKENS, "temperature": 0, "ignore_eos": True})
     assert r.status_code == 200, r.text
     return r.json()["choices"][0]["text"]
@@ -64,7 +64,7 @@ def test_the_adapter_changes_the_greedy_tokens_as_mlx_lm_generate_does(start_ser
     assert expected != reference(tiny_model_dir, None)  # the adapter does change them
     server = start_server("--model", str(tiny_model_dir), "--adapter-path", str(adapter_dir), "--no-kv-disk")
     assert completion(server, tiny_model_dir.name) == expected
-    model = httpx.get(f"{server.url}/lmsp/v1/models/{tiny_model_dir.name}").json()
+    model = HTTP.get(f"{server.url}/lmsp/v1/models/{tiny_model_dir.name}").json()
     assert model["adapter"] == adapter_dir.name
 
 
@@ -75,18 +75,18 @@ def test_the_fingerprint_keeps_the_adapters_checkpoints_apart(tiny_model_dir, ad
 
 
 def test_an_adapter_of_another_base_is_a_start_error(tiny_model_dir, tmp_path):
-    from tiny_model import build_tiny_model
+    from tests.tiny_model import build_tiny_model
 
     other = build_tiny_model(tmp_path / "wide", head_dim=32)  # other shapes of q_proj
     wrong = make_adapter(other, tmp_path / "wrong")
-    args = serve.parse_args(["--model", str(tiny_model_dir), "--adapter-path", str(wrong), "--no-kv-disk",
+    args = flags.parse(["--model", str(tiny_model_dir), "--adapter-path", str(wrong), "--no-kv-disk",
                              "--store", str(tmp_path / "s.sqlite3"), "--state-key-file", str(tmp_path / "k"),
                              "--port", "1"])
     with pytest.raises(serve.StartError, match="adapter") as err:
         serve.build(args)
     assert "\n" not in str(err.value)
     with pytest.raises(serve.StartError, match="adapter_config.json"):
-        serve.build(serve.parse_args([*args_list(tiny_model_dir, tmp_path), "--adapter-path", str(tmp_path)]))
+        serve.build(flags.parse([*args_list(tiny_model_dir, tmp_path), "--adapter-path", str(tmp_path)]))
 
 
 def args_list(model: Path, tmp: Path) -> list[str]:

@@ -3,20 +3,22 @@
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
 
 import anthropic
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))
-from conftest import ENDLESS, lookups_during  # noqa: E402
-from test_messages import QUESTION, TOOLS, caller, caller_dir  # noqa: E402,F401
-
+from tests.helpers import lookups_during
+from tests.test_messages import QUESTION, TOOLS
+from tests.tiny_model import ENDLESS
 
 # The SDK no longer has sampling parameters (Anthropic's newer models take none); older
 # clients send temperature, which the server still reads: greedy, for replies to compare.
 GREEDY = {"temperature": 0}
+
+
+@pytest.fixture(scope="module")
+def caller(start_module_server, caller_dir):
+    return start_module_server("--model", str(caller_dir), "--model-id", "tiny")
 
 
 def client(server) -> anthropic.Anthropic:

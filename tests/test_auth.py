@@ -5,15 +5,17 @@ from __future__ import annotations
 import subprocess
 import sys
 
-import httpx
 import pytest
-from conftest import ask
-from servers import ROOT
+from tests.helpers import HTTP, ask
+from tests.servers import ROOT
 
 
 @pytest.fixture(scope="module")
 def locked(start_module_server, tiny_model_dir):
-    return start_module_server("--model", str(tiny_model_dir), "--model-id", "tiny", env={"LMSP_API_KEY": "s3cret"})
+    """A server whose key comes from $LMSP_API_KEY (in this process: its flags are read as it starts)."""
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("LMSP_API_KEY", "s3cret")
+        return start_module_server("--model", str(tiny_model_dir), "--model-id", "tiny")
 
 
 @pytest.mark.parametrize(
@@ -27,27 +29,28 @@ def test_missing_or_wrong_token_is_401(locked, headers):
         ("GET", "/lmsp/v1/models", None),
         ("GET", "/lmsp/v1", None),
     ]:
-        r = httpx.request(method, locked.url + path, json=body, headers=headers)
+        r = HTTP.request(method, locked.url + path, json=body, headers=headers)
         assert r.status_code == 401
         assert r.headers["content-type"].startswith("application/problem+json")
         assert r.headers["WWW-Authenticate"].startswith("Bearer")
         assert r.headers["LMSP-Version"] == "1.0"
         assert r.json()["code"] == "unauthorized"
-    r = httpx.post(locked.url + "/v1/responses", json=ask(), headers=headers)
+    r = HTTP.post(locked.url + "/v1/responses", json=ask(), headers=headers)
     assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
 
 
 def test_right_token_is_served(locked):
     auth = {"Authorization": "Bearer s3cret"}
-    r = httpx.post(locked.url + "/lmsp/v1/responses", json=ask(), headers=auth, timeout=60)
+    r = HTTP.post(locked.url + "/lmsp/v1/responses", json=ask(), headers=auth, timeout=60)
     assert r.status_code == 200 and r.json()["usage"]["output_tokens"] == 8
-    assert httpx.get(locked.url + "/v1/models", headers=auth).status_code == 200
+    assert HTTP.get(locked.url + "/v1/models", headers=auth).status_code == 200
 
 
 def test_healthz_needs_no_token(locked):
-    assert httpx.get(locked.url + "/healthz").status_code == 200
+    assert HTTP.get(locked.url + "/healthz").status_code == 200
 
 
+@pytest.mark.slow
 def test_no_key_refuses_a_non_loopback_host(tiny_model_dir):
     done = subprocess.run(
         [sys.executable, "-m", "lmsp_mlx.serve", "--model", str(tiny_model_dir), "--host", "0.0.0.0"],
@@ -58,7 +61,7 @@ def test_no_key_refuses_a_non_loopback_host(tiny_model_dir):
     assert "Traceback" not in done.stderr
 
 
-# Every route and the scope it needs (PROTOCOL.md, Auth).
+# Every route and the scope it needs (docs/api.md, Tokens and scopes).
 ROUTES = [
     ("GET", "/lmsp/v1", None, "models:read"),
     ("GET", "/lmsp/v1/models", None, "models:read"),
@@ -99,18 +102,19 @@ def scoped(start_module_server, tiny_model_dir, tmp_path_factory):
 
 @pytest.mark.parametrize("method, path, body, scope", ROUTES, ids=[f"{m} {p}" for m, p, _, _ in ROUTES])
 def test_a_token_without_the_routes_scope_is_403(scoped, method, path, body, scope):
-    r = httpx.request(method, scoped.url + path, json=body, headers={"Authorization": f"Bearer without-{scope}"},
+    r = HTTP.request(method, scoped.url + path, json=body, headers={"Authorization": f"Bearer without-{scope}"},
                       timeout=60)
     assert r.status_code == 403
     code = r.json()["error"]["code"] if path.startswith("/v1") else r.json()["code"]
     assert code == "insufficient_scope"
     # A token that has the scope gets past the check (to the route's own answer).
     other = next(s for s in SCOPES if s != scope)
-    r = httpx.request(method, scoped.url + path, json=body, headers={"Authorization": f"Bearer without-{other}"},
+    r = HTTP.request(method, scoped.url + path, json=body, headers={"Authorization": f"Bearer without-{other}"},
                       timeout=60)
     assert r.status_code in (200, 202, 404), r.text
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("content, needle", [
     ('{"t": ["tools:execute"]}', "tools:execute"),
     ('{"t": ["everything"]}', "unknown scope"),

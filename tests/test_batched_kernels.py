@@ -17,14 +17,13 @@ from __future__ import annotations
 
 import threading
 
-import httpx
 import mlx.core as mx
 import numpy as np
 import pytest
 from mlx_lm.models.cache import QuantizedKVCache, make_prompt_cache
-from test_batching import together
-from test_engine import wait_for_metric
-from tiny_model import build_tiny_moe_model
+from tests.test_batching import together
+from tests.test_engine import wait_for_metric
+from tests.tiny_model import build_tiny_moe_model
 
 from lmsp_mlx import kernels
 from lmsp_mlx.cache.batch import BatchQuantizedKVCache
@@ -34,6 +33,7 @@ from lmsp_mlx.engine.loader import load_model
 from lmsp_mlx.engine.sequence import Sequence
 from lmsp_mlx.kernels import cpu as cpu_kernel
 from lmsp_mlx.kernels import reference
+from tests.helpers import HTTP
 
 
 def filled(length: int, heads: int = 2, d: int = 64, bits: int = 4, group: int = 32, seed: int = 0) -> QuantizedKVCache:
@@ -128,6 +128,7 @@ def test_a_tiny_moe_model_batched_with_the_kernels_gives_mlx_lms_tokens_alone(ar
     assert all(type(c).__name__ == ("QuantizedKVCache" if bits else "KVCache") for s in seqs for c in s.cache)
 
 
+@pytest.mark.slow  # 1,800 decode steps of a quantized MoE model: about 6 s here
 def test_a_kv_bits_moe_model_serves_concurrent_requests_in_one_batch(start_server, tmp_path):
     path = build_tiny_moe_model(tmp_path / "moe", "qwen3_moe")
     server = start_server("--model", str(path), "--model-id", "moe", "--kv-bits", "4", "--kv-group-size", "32",
@@ -137,7 +138,7 @@ def test_a_kv_bits_moe_model_serves_concurrent_requests_in_one_batch(start_serve
                "ignore_eos": True} for i in range(3)]
 
     def complete(body) -> str:
-        r = httpx.post(server.url + "/v1/completions", json=body, timeout=120)
+        r = HTTP.post(server.url + "/v1/completions", json=body, timeout=120)
         assert r.status_code == 200, r.text
         return r.json()["choices"][0]["text"]
 
@@ -157,7 +158,7 @@ def test_sequences_of_two_cache_kinds_in_one_batch_each_get_their_tokens_alone(t
     """Plain and --kv-bits caches side by side (the compiled step takes one kind a step, the
     other steps apart), with members ending at different steps, so the batch's make-up
     changes: each sequence's tokens are the ones it gets alone, its cache never stale."""
-    from tiny_model import build_tiny_model
+    from tests.tiny_model import build_tiny_model
 
     lm = load_model(build_tiny_model(tiny_model_dir.parent / "kinds", head_dim=64))
     four = lambda: [QuantizedKVCache(group_size=32, bits=4) for _ in lm.model.layers]  # noqa: E731

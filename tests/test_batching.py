@@ -9,16 +9,15 @@ that); no near-tie can flip.
 
 from __future__ import annotations
 
-import json
 import re
 import signal
 import threading
 
 import httpx
 import pytest
-from conftest import ask, read_sse
-from test_engine import BusyStream, wait_for_metric
-from tiny_model import CALLS, ENDLESS, FINISHES, TOOL_SCRIPT, build_scripted_model
+from tests.helpers import HTTP, ask, read_sse
+from tests.test_engine import BusyStream, wait_for_metric
+from tests.tiny_model import CALLS, ENDLESS, FINISHES, TOOL_SCRIPT, build_scripted_model
 
 from lmsp_mlx.engine.batch import Batch, chunk_size, generate, next_prefill
 from lmsp_mlx.engine.constrain import Constraint
@@ -153,7 +152,7 @@ def test_a_sequence_that_fails_fails_alone(tiny_lm):
 # -- through the server ------------------------------------------------------------------------
 
 def reply(url: str, body: dict) -> dict:
-    r = httpx.post(url + "/lmsp/v1/responses", json=body, timeout=120)
+    r = HTTP.post(url + "/lmsp/v1/responses", json=body, timeout=120)
     assert r.status_code == 200, r.text
     return r.json()
 
@@ -216,7 +215,7 @@ def test_beyond_the_batch_requests_wait_and_beyond_the_queue_get_429(start_serve
         wait_for_metric(server, "lmsp_batch_sequences 2")
         waiter.start()
         wait_for_metric(server, "lmsp_queue_depth 1")
-        r = httpx.post(server.url + "/lmsp/v1/responses", json=ask(FINISHES), timeout=30)
+        r = HTTP.post(server.url + "/lmsp/v1/responses", json=ask(FINISHES), timeout=30)
         assert r.status_code == 429 and int(r.headers["Retry-After"]) >= 1
         assert r.json()["code"] == "queue_full"
     finally:
@@ -237,7 +236,7 @@ class Endless(threading.Thread):
         self._finish = threading.Event()
 
     def run(self) -> None:
-        with httpx.stream("POST", self.url + "/v1/completions", json=self.body, timeout=120) as r:
+        with HTTP.stream("POST", self.url + "/v1/completions", json=self.body, timeout=120) as r:
             for _ in r.iter_lines():
                 if self._finish.is_set():
                     return
@@ -248,7 +247,7 @@ class Endless(threading.Thread):
 
 
 def test_a_tool_loop_continues_its_live_state_while_others_decode(start_server, tmp_path):
-    from test_tools import TOOLS, outputs_for
+    from tests.test_tools import TOOLS, outputs_for
 
     model = build_scripted_model(tmp_path / "caller", script=TOOL_SCRIPT, words=CALLS)
     server = start_server("--model", str(model), "--model-id", "tiny", "--kv-checkpoint-min-tokens", "8")
@@ -265,21 +264,22 @@ def test_a_tool_loop_continues_its_live_state_while_others_decode(start_server, 
         assert second["usage"]["input_tokens_details"]["cached_tokens"] == (
             first["usage"]["input_tokens"] + first["usage"]["output_tokens"])  # its end-of-turn token comes next
         log = server.log()
-        assert "lmsp_kv_live_continuations_total 1" in httpx.get(server.url + "/metrics").text.splitlines()
+        assert "lmsp_kv_live_continuations_total 1" in HTTP.get(server.url + "/metrics").text.splitlines()
         assert "kv checkpoint reason=tool-call" in log  # written while the two others decoded
-        assert "lmsp_batch_sequences 2" in httpx.get(server.url + "/metrics").text.splitlines()  # still running
+        assert "lmsp_batch_sequences 2" in HTTP.get(server.url + "/metrics").text.splitlines()  # still running
     finally:
         for b in busy:
             b.stop()
 
 
+@pytest.mark.slow
 def test_shutdown_with_a_full_batch_ends_every_stream_cancelled_and_checkpoints(start_server, tiny_model_dir):
     server = start_server("--model", str(tiny_model_dir), "--model-id", "tiny", "--max-batch", "3", process=True)
     results: dict[int, list[dict]] = {}
     ready = [threading.Event() for _ in range(3)]
 
     def stream(i: int) -> None:
-        with httpx.stream("POST", server.url + "/lmsp/v1/responses", timeout=60,
+        with HTTP.stream("POST", server.url + "/lmsp/v1/responses", timeout=60,
                           json=ask(f"{ENDLESS} {i}", max_output_tokens=30000, stream=True)) as r:
             lines = []
             for line in r.iter_lines():
@@ -310,8 +310,8 @@ def test_the_default_output_limit_applies_where_a_request_sets_none(start_server
     assert unset["incomplete_details"]["reason"] == "max_output_tokens"
     assert reply(server.url, ask(max_output_tokens=12))["usage"]["output_tokens"] == 12  # a request's own limit wins
     # (the listing also holds the model store's models: models/ gets the default model once a run fetched it)
-    [model] = [m for m in httpx.get(server.url + "/lmsp/v1/models").json()["data"] if m["id"] == "tiny"]
+    [model] = [m for m in HTTP.get(server.url + "/lmsp/v1/models").json()["data"] if m["id"] == "tiny"]
     assert model["default_max_output_tokens"] == 7
-    chat = httpx.post(server.url + "/v1/chat/completions", timeout=60, json={
+    chat = HTTP.post(server.url + "/v1/chat/completions", timeout=60, json={
         "model": "tiny", "messages": [{"role": "user", "content": ENDLESS}], "temperature": 0}).json()
     assert chat["usage"]["completion_tokens"] == 7 and chat["choices"][0]["finish_reason"] == "length"

@@ -5,12 +5,10 @@ from __future__ import annotations
 
 import json
 
-import httpx
 import openai
 import pytest
-from conftest import DEFAULT_MODEL_ID, source_of
+from tests.helpers import HTTP, DEFAULT_MODEL_ID, source_of
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
-from test_tools import caller_dir  # noqa: F401
 
 from lmsp_mlx.service.stops import StopScanner
 
@@ -22,6 +20,7 @@ def sdk(default_server):
     return openai.OpenAI(base_url=default_server.url + "/v1", api_key="unused", timeout=300, max_retries=0)
 
 
+@pytest.mark.slow
 def test_a_chat_gets_the_reply_the_same_conversation_gets_on_responses(sdk):
     messages = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "What is the capital of France?"}]
     chat = sdk.chat.completions.create(model=DEFAULT_MODEL_ID, messages=messages, temperature=0, max_tokens=24)
@@ -34,6 +33,7 @@ def test_a_chat_gets_the_reply_the_same_conversation_gets_on_responses(sdk):
     assert (chat.usage.prompt_tokens, chat.usage.completion_tokens) == (resp.usage.input_tokens, resp.usage.output_tokens)
 
 
+@pytest.mark.slow
 def test_a_streamed_chat_has_the_sync_reply_and_usage_last(sdk):
     sync = sdk.chat.completions.create(model=DEFAULT_MODEL_ID, messages=COUNT, temperature=0, max_completion_tokens=30)
     stream = sdk.chat.completions.create(model=DEFAULT_MODEL_ID, messages=COUNT, temperature=0, max_completion_tokens=30,
@@ -51,6 +51,7 @@ def test_a_streamed_chat_has_the_sync_reply_and_usage_last(sdk):
     assert usage.usage.prompt_tokens == sync.usage.prompt_tokens
 
 
+@pytest.mark.slow
 def test_a_stop_sequence_ends_the_reply_before_it_streamed_or_not(sdk):
     free = sdk.chat.completions.create(model=DEFAULT_MODEL_ID, messages=COUNT, temperature=0, max_tokens=40)
     text = free.choices[0].message.content
@@ -80,6 +81,7 @@ def test_the_stop_scanner_holds_back_only_what_may_begin_a_stop():
     assert s.feed("x E") == ("x ", False) and s.flush() == "E"
 
 
+@pytest.mark.slow
 def test_structured_output_through_the_sdk_parse(sdk):
     from pydantic import BaseModel, Field
 
@@ -168,7 +170,7 @@ def test_tool_calls_and_the_turn_after_them_continue_the_live_kv(start_server, c
 ])
 def test_bad_chat_requests_are_openai_errors(tiny_server, fields, status, code, param):
     body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, **fields}
-    r = httpx.post(tiny_server.url + "/v1/chat/completions", json=body, timeout=60)
+    r = HTTP.post(tiny_server.url + "/v1/chat/completions", json=body, timeout=60)
     assert r.status_code == status, r.text
     err = r.json()["error"]
     assert (err["code"], err["param"], err["type"]) == (code, param, "invalid_request_error")

@@ -10,15 +10,15 @@ import json
 import os
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))
-from conftest import lookups_during  # noqa: E402
-from npm_tools import npm_tool  # noqa: E402
-from tiny_model import STEPPED_CHATML, build_scripted_model  # noqa: E402
+from tests.helpers import lookups_during
+from tests.npm_tools import npm_tool
+from tests.tiny_model import STEPPED_CHATML, build_scripted_model
+
+pytestmark = pytest.mark.slow  # an npm client
 
 # What Claude Code needs offline: no telemetry, update checks or other calls besides the
 # model's (CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC), and a bearer token for the server.

@@ -6,7 +6,10 @@ import subprocess
 import sys
 
 import pytest
-from servers import ROOT, free_port
+from tests.servers import ROOT, free_port
+from tests.helpers import HTTP
+
+pytestmark = pytest.mark.slow  # each start-up error is a process's exit status and stderr
 
 
 def serve(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
@@ -95,8 +98,6 @@ def test_a_port_in_use_is_refused_before_the_model_loads(tiny_model_dir):
 def test_a_model_name_is_found_in_the_model_store(start_server, tmp_path, tiny_model_dir):
     import shutil
 
-    import httpx
-
     shutil.copytree(tiny_model_dir, tmp_path / "Mine")
     server = start_server("--model", "Mine", env={"LMSP_MODELS_DIR": str(tmp_path)})
-    assert [m["id"] for m in httpx.get(server.url + "/v1/models").json()["data"]][0] == "Mine"  # the default, first
+    assert [m["id"] for m in HTTP.get(server.url + "/v1/models").json()["data"]][0] == "Mine"  # the default, first

@@ -8,15 +8,15 @@ from __future__ import annotations
 import os
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))
-from conftest import lookups_during  # noqa: E402
-from npm_tools import npm_tool  # noqa: E402
-from tiny_model import CALLS, STEPPED_CHATML, TOOL_SCRIPT, build_scripted_model  # noqa: E402
+from tests.helpers import lookups_during
+from tests.npm_tools import npm_tool
+from tests.tiny_model import CALLS, STEPPED_CHATML, TOOL_SCRIPT, build_scripted_model
+
+pytestmark = pytest.mark.slow  # an npm client
 
 
 @pytest.fixture(scope="session")

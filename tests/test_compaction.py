@@ -4,16 +4,14 @@ from the checkpointed KV of its text where that is there, from the model's summa
 
 from __future__ import annotations
 
-import sys
 import time
 from pathlib import Path
 
 import httpx
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))
-from conftest import source_of  # noqa: E402
-from tiny_model import ENDLESS, FINISHES  # noqa: E402
+from tests.helpers import HTTP, source_of
+from tests.tiny_model import ENDLESS, FINISHES
 
 HISTORY = [
     {"role": "user", "content": FINISHES},
@@ -26,11 +24,11 @@ NEXT = {"role": "user", "content": FINISHES}
 
 def compact(server, route: str = "/v1/responses/compact", **fields) -> httpx.Response:
     body = {"model": "tiny", "input": HISTORY, "instructions": "Be brief.", "max_output_tokens": 12, **fields}
-    return source_of(server, lambda: httpx.post(server.url + route, json=body, timeout=120))
+    return source_of(server, lambda: HTTP.post(server.url + route, json=body, timeout=120))
 
 
 def ask(server, input_: list) -> dict:
-    r = source_of(server, lambda: httpx.post(server.url + "/v1/responses", timeout=120, json={
+    r = source_of(server, lambda: HTTP.post(server.url + "/v1/responses", timeout=120, json={
         "model": "tiny", "input": input_, "instructions": "Be brief.", "temperature": 0, "max_output_tokens": 8,
         "store": False}))
     assert r.status_code == 200, r.text
@@ -110,7 +108,7 @@ def test_after_a_restart_the_checkpoint_resumes_it_and_without_it_the_summary_do
     assert "continuing from its summary" in bare.log()
     assert summarised["usage"]["input_tokens"] < resumed["usage"]["input_tokens"] // 2
     # Other instructions than the compacted ones: the summary too, not the stale text.
-    r = httpx.post(again.url + "/v1/responses", timeout=120, json={
+    r = HTTP.post(again.url + "/v1/responses", timeout=120, json={
         "model": "tiny", "input": [*output, NEXT], "instructions": "Be verbose.", "max_output_tokens": 4})
     assert r.status_code == 200 and "continuing from its summary" in again.log()
 
@@ -123,10 +121,10 @@ def test_bad_compaction_requests_get_clear_errors(server):
     output = compact(server).json()["output"]
     sealed = output[-1]["encrypted_content"]
     output[-1] = {**output[-1], "encrypted_content": sealed[:-4] + ("AAAA" if not sealed.endswith("AAAA") else "BBBB")}
-    r = httpx.post(server.url + "/v1/responses", json={"model": "tiny", "input": [*output, NEXT]}, timeout=60)
+    r = HTTP.post(server.url + "/v1/responses", json={"model": "tiny", "input": [*output, NEXT]}, timeout=60)
     assert r.status_code == 400 and r.json()["error"]["param"] == "input[2].encrypted_content"
     # A reasoning item's sealed state is not a compaction's, and the reverse.
-    r = httpx.post(server.url + "/v1/responses", timeout=60, json={"model": "tiny", "input": [
+    r = HTTP.post(server.url + "/v1/responses", timeout=60, json={"model": "tiny", "input": [
         {"type": "reasoning", "summary": [], "encrypted_content": sealed}, NEXT]})
     assert r.status_code == 400 and r.json()["error"]["param"] == "input[0].encrypted_content"
 
@@ -138,18 +136,10 @@ def test_the_lmsp_route_compacts_too(server):
     assert r.status_code == 404 and r.headers["content-type"].startswith("application/problem+json")
 
 
-# The scripted reasoning model of test_tools: reasons " the", then calls get_weather and get_time.
-@pytest.fixture(scope="module")
-def caller_dir(tmp_path_factory) -> Path:
-    from tiny_model import CALLS, TOOL_SCRIPT, build_scripted_model
-
-    return build_scripted_model(tmp_path_factory.mktemp("models") / "caller", script=TOOL_SCRIPT, words=CALLS)
-
-
 def call_loop(server, input_: list, **fields) -> dict:
-    from test_tools import TOOLS
+    from tests.test_tools import TOOLS
 
-    r = source_of(server, lambda: httpx.post(server.url + "/v1/responses", timeout=120, json={
+    r = source_of(server, lambda: HTTP.post(server.url + "/v1/responses", timeout=120, json={
         "model": "tiny", "input": input_, "tools": TOOLS, "temperature": 0, "max_output_tokens": 40, "store": False,
         **fields}))
     assert r.status_code == 200, r.text
@@ -157,7 +147,7 @@ def call_loop(server, input_: list, **fields) -> dict:
 
 
 def test_a_tool_loop_continues_after_a_compaction_with_tool_outputs_alone(start_server, caller_dir, tmp_path):
-    from test_tools import QUESTION, TOOLS, outputs_for
+    from tests.test_tools import QUESTION, TOOLS, outputs_for
 
     server = start_server("--model", str(caller_dir), "--model-id", "tiny", "--kv-disk-dir", str(tmp_path / "kv"))
     history = [QUESTION, {"role": "assistant", "content": "Let me look that up. " * 20}]
@@ -171,7 +161,7 @@ def test_a_tool_loop_continues_after_a_compaction_with_tool_outputs_alone(start_
 
 
 def test_compacting_a_live_reasoning_turn_checkpoints_the_kv_it_holds(start_server, caller_dir, tmp_path):
-    from test_tools import QUESTION, TOOLS, outputs_for
+    from tests.test_tools import QUESTION, TOOLS, outputs_for
 
     key, kv = tmp_path / "state.key", tmp_path / "kv"
     args = ("--model", str(caller_dir), "--model-id", "tiny", "--kv-disk-dir", str(kv), "--state-key-file", str(key))
@@ -199,15 +189,15 @@ def test_edge_cases_of_what_is_compacted(server, start_server, tiny_model_dir, t
     assert r.status_code == 400 and r.json()["error"]["param"] == "input"
     # A compaction item with nothing after it continues the conversation as it is.
     output = compact(server).json()["output"]
-    r = httpx.post(server.url + "/v1/responses", timeout=60, json={
+    r = HTTP.post(server.url + "/v1/responses", timeout=60, json={
         "model": "tiny", "input": [output[-1]], "instructions": "Be brief.", "max_output_tokens": 4})
     assert r.status_code == 200, r.text
     # A stored chain holding a compaction item, read by a server with another key: the
     # problem names previous_response_id, not an index into someone else's input.
-    stored = httpx.post(server.url + "/v1/responses", timeout=60, json={
+    stored = HTTP.post(server.url + "/v1/responses", timeout=60, json={
         "model": "tiny", "input": [*output, NEXT], "instructions": "Be brief.", "max_output_tokens": 4}).json()
     other = start_server("--model", str(tiny_model_dir), "--model-id", "tiny", "--store", str(server_store(server)))
-    r = httpx.post(other.url + "/v1/responses", timeout=60, json={
+    r = HTTP.post(other.url + "/v1/responses", timeout=60, json={
         "model": "tiny", "input": "And then?", "previous_response_id": stored["id"], "max_output_tokens": 4})
     assert r.status_code == 400 and r.json()["error"]["param"] == "previous_response_id"
 

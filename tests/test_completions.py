@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import httpx
 import mlx.core as mx
 import pytest
-from conftest import lookups_during
+from tests.helpers import HTTP, lookups_during
 from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import make_prompt_cache
 
@@ -98,10 +97,11 @@ def test_what_is_not_served_is_refused_with_its_param(tiny_server, tiny_lm):
         ({"logit_bias": {"999999": 1}}, 400, "logit_bias"), ({"prompt": "x " * 40000}, 400, "prompt"),
         ({"stop": ["s"] * 17}, 400, "stop"), ({"stop": 5}, 400, "stop"), ({"stop": "s" * 257}, 400, "stop"),
     ]:
-        r = httpx.post(tiny_server.url + "/v1/completions", json={**base, **fields}, timeout=60)
+        r = HTTP.post(tiny_server.url + "/v1/completions", json={**base, **fields}, timeout=60)
         assert r.status_code == status and r.json()["error"]["param"] == param, (fields, r.text)
 
 
+@pytest.mark.slow
 def test_the_default_model_completes_a_plain_sentence(default_server):
     real = openai.OpenAI(base_url=default_server.url + "/v1", api_key="unused", timeout=300, max_retries=0)
     done = real.completions.create(model="SmolLM2-135M-Instruct", prompt="The capital of France is", max_tokens=4,

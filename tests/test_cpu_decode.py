@@ -3,8 +3,6 @@ over a plain cache and over a --kv-bits one (QuantizedKVCache)."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
@@ -15,8 +13,7 @@ from mlx_lm.models.cache import KVCache, QuantizedKVCache, RotatingKVCache, make
 from lmsp_mlx import cpu_blas
 from lmsp_mlx.engine import cpu_decode, cpu_math
 
-sys.path.insert(0, str(Path(__file__).parent))
-from tiny_model import _config  # noqa: E402
+from tests.tiny_model import _config
 
 pytestmark = pytest.mark.skipif(cpu_blas.decode_kernel() is None, reason="the compiled decode step is not built")
 

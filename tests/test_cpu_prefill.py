@@ -10,7 +10,7 @@ from mlx_lm.models.cache import KVCache, QuantizedKVCache, RotatingKVCache, make
 
 from lmsp_mlx import cpu_blas
 from lmsp_mlx.engine import cpu_decode, cpu_prefill
-from test_cpu_decode import compiled_steps, counted, tiny
+from tests.test_cpu_decode import compiled_steps, counted, tiny
 
 pytestmark = pytest.mark.skipif(cpu_blas.fused_kernels() is None, reason="the compiled BLAS shim is not built")
 

@@ -8,8 +8,8 @@ import time
 
 import httpx
 import pytest
-from conftest import ask, lookups_during
-from tiny_model import ENDLESS, FINISHES
+from tests.helpers import HTTP, ask, lookups_during
+from tests.tiny_model import ENDLESS, FINISHES
 
 
 def cancelled_line(server, after: int) -> str:
@@ -41,7 +41,7 @@ def test_disconnect_during_decode_stops_generation(tiny_server):
     produced = int(re.search(r"output_tokens=(\d+)", line).group(1))
     assert 3 <= produced < 30000
     # The server keeps serving.
-    r = httpx.post(tiny_server.url + "/lmsp/v1/responses", json=ask(FINISHES, max_output_tokens=50), timeout=60)
+    r = HTTP.post(tiny_server.url + "/lmsp/v1/responses", json=ask(FINISHES, max_output_tokens=50), timeout=60)
     assert r.json()["status"] == "completed"
 
 
@@ -67,7 +67,7 @@ def test_disconnect_during_prefill_stops_within_a_chunk(tiny_server):
 def test_sync_client_disconnect_cancels_too(tiny_server):
     before = request_lines(tiny_server)
     try:
-        httpx.post(tiny_server.url + "/lmsp/v1/responses", json=ask(max_output_tokens=30000), timeout=1.5)
+        HTTP.post(tiny_server.url + "/lmsp/v1/responses", json=ask(max_output_tokens=30000), timeout=1.5)
     except httpx.TimeoutException:
         pass
     line = cancelled_line(tiny_server, before)
@@ -94,7 +94,7 @@ def test_a_client_that_closes_as_it_sends_its_request_generates_nothing(tiny_ser
         s.sendall(raw[-1:])  # which arrives with the close: the body ends as the client leaves
     time.sleep(0.3)
     # The next request waits for the model: behind a 20,000-token reply if one is running.
-    assert httpx.post(tiny_server.url + "/lmsp/v1/responses", json=ask(max_output_tokens=1),
+    assert HTTP.post(tiny_server.url + "/lmsp/v1/responses", json=ask(max_output_tokens=1),
                       timeout=120).status_code == 200
     assert "output_tokens=20000" not in tiny_server.log()[before:]
 
@@ -102,7 +102,7 @@ def test_a_client_that_closes_as_it_sends_its_request_generates_nothing(tiny_ser
 def wait_for_metric(server, line: str, timeout: float = 60) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if line in httpx.get(server.url + "/metrics").text.splitlines():
+        if line in HTTP.get(server.url + "/metrics").text.splitlines():
             return
         time.sleep(0.05)
     raise AssertionError(f"/metrics never showed {line!r}")
@@ -137,7 +137,7 @@ def test_full_queue_answers_429_with_retry_after(start_server, tiny_model_dir):
     queued: dict = {}
 
     def wait_in_queue():
-        queued["r"] = httpx.post(server.url + "/lmsp/v1/responses", json=ask(FINISHES, max_output_tokens=20), timeout=120)
+        queued["r"] = HTTP.post(server.url + "/lmsp/v1/responses", json=ask(FINISHES, max_output_tokens=20), timeout=120)
 
     busy = BusyStream(server.url)
     busy.start()
@@ -146,13 +146,13 @@ def test_full_queue_answers_429_with_retry_after(start_server, tiny_model_dir):
         waiter = threading.Thread(target=wait_in_queue)
         waiter.start()
         wait_for_metric(server, "lmsp_queue_depth 1")  # the waiter's request holds the one slot
-        r = httpx.post(server.url + "/lmsp/v1/responses", json=ask(), timeout=30)
+        r = HTTP.post(server.url + "/lmsp/v1/responses", json=ask(), timeout=30)
         assert r.status_code == 429
         assert r.headers["Retry-After"].isdigit()
         assert r.json()["code"] == "queue_full" and r.json()["detail"].startswith("1 request is already waiting")
-        assert "queue_full" in httpx.post(server.url + "/v1/responses", json=ask(), timeout=30).text
+        assert "queue_full" in HTTP.post(server.url + "/v1/responses", json=ask(), timeout=30).text
         for stream in (False, True):  # Anthropic's shape, streamed or not: the status line says it
-            m = httpx.post(server.url + "/v1/messages", timeout=30, json={
+            m = HTTP.post(server.url + "/v1/messages", timeout=30, json={
                 "model": "tiny", "max_tokens": 8, "stream": stream, "messages": [{"role": "user", "content": "Hi"}]})
             assert m.status_code == 429 and m.headers["Retry-After"].isdigit()
             assert m.json()["type"] == "error" and m.json()["error"]["type"] == "rate_limit_error"
@@ -161,7 +161,7 @@ def test_full_queue_answers_429_with_retry_after(start_server, tiny_model_dir):
     waiter.join(timeout=120)
     assert queued["r"].status_code == 200
     assert queued["r"].json()["status"] == "completed"
-    metrics = httpx.get(server.url + "/metrics").text
+    metrics = HTTP.get(server.url + "/metrics").text
     assert 'lmsp_requests_total{status="cancelled"} 1' in metrics
     assert 'lmsp_requests_total{status="completed"} 1' in metrics
     assert "lmsp_queue_depth 0" in metrics
@@ -169,10 +169,11 @@ def test_full_queue_answers_429_with_retry_after(start_server, tiny_model_dir):
     assert "request GET /metrics status=200" in server.log()  # and every request has its line
 
 
+@pytest.mark.slow
 def test_shutdown_ends_streams_with_a_final_event(start_server, tiny_model_dir):
     import signal
 
-    from conftest import read_sse
+    from tests.helpers import read_sse
 
     server = start_server("--model", str(tiny_model_dir), "--model-id", "tiny", process=True)
     with httpx.Client(base_url=server.url, timeout=60) as c:
@@ -191,12 +192,13 @@ def test_shutdown_ends_streams_with_a_final_event(start_server, tiny_model_dir):
     assert "Traceback" not in log and "Exception in thread" not in log
 
 
+@pytest.mark.slow
 def test_shutdown_during_a_long_prefill_chunk_ends_the_stream_before_the_chunk(start_server):
     # One 3,000-token chunk takes the CPU seconds: the stream ends as cancelled at once
     # (within Hypercorn's grace period), the worker finishes its chunk, and the process exits.
     import signal
 
-    from conftest import DEFAULT_MODEL_ID, read_sse
+    from tests.helpers import DEFAULT_MODEL_ID, read_sse
 
     server = start_server("--prefill-chunk", "8192", process=True)
     body = {"model": DEFAULT_MODEL_ID, "input": " hello" * 3000, "max_output_tokens": 4, "stream": True}
@@ -217,6 +219,7 @@ def test_shutdown_during_a_long_prefill_chunk_ends_the_stream_before_the_chunk(s
     assert "status=cancelled prefilled=" in log and "Traceback" not in log
 
 
+@pytest.mark.slow
 def test_shutdown_marks_the_item_it_cut_incomplete_on_v1(start_server, tiny_model_dir):
     # As the stored response has it: the message the shutdown cut is not `completed`.
     import json
@@ -224,7 +227,7 @@ def test_shutdown_marks_the_item_it_cut_incomplete_on_v1(start_server, tiny_mode
 
     server = start_server("--model", str(tiny_model_dir), "--model-id", "tiny", process=True)
     body = {**ask(max_output_tokens=30000), "stream": True}
-    with httpx.stream("POST", server.url + "/v1/responses", json=body, timeout=60) as r:
+    with HTTP.stream("POST", server.url + "/v1/responses", json=body, timeout=60) as r:
         events, signalled = [], False
         for line in r.iter_lines():
             if line.startswith("data: {"):
@@ -240,11 +243,11 @@ def test_shutdown_marks_the_item_it_cut_incomplete_on_v1(start_server, tiny_mode
 def test_metrics_show_the_resident_kv_and_mlx_memory(tiny_server):
     """A reply's session stays resident: /metrics counts it, in bytes that MLX's active
     memory (which holds the model and every KV array) contains."""
-    r = httpx.post(tiny_server.url + "/lmsp/v1/responses", json=ask(FINISHES, max_output_tokens=8), timeout=60)
+    r = HTTP.post(tiny_server.url + "/lmsp/v1/responses", json=ask(FINISHES, max_output_tokens=8), timeout=60)
     assert r.status_code == 200
     deadline = time.monotonic() + 30  # the worker counts once the sequence's bookkeeping is done
     while True:
-        gauges = dict(line.split(" ") for line in httpx.get(tiny_server.url + "/metrics").text.splitlines()
+        gauges = dict(line.split(" ") for line in HTTP.get(tiny_server.url + "/metrics").text.splitlines()
                       if line.startswith(("lmsp_kv_", "lmsp_mlx_")))
         if int(gauges["lmsp_kv_sessions"]) >= 1 or time.monotonic() > deadline:
             break
@@ -252,6 +255,6 @@ def test_metrics_show_the_resident_kv_and_mlx_memory(tiny_server):
     assert int(gauges["lmsp_kv_sessions"]) >= 1
     assert 0 < int(gauges["lmsp_kv_resident_bytes"]) <= int(gauges["lmsp_mlx_active_bytes"])
     assert int(gauges["lmsp_mlx_cache_bytes"]) >= 0
-    one = lookups_during(tiny_server, lambda: httpx.post(tiny_server.url + "/lmsp/v1/responses",
+    one = lookups_during(tiny_server, lambda: HTTP.post(tiny_server.url + "/lmsp/v1/responses",
                                                         json=ask(FINISHES, max_output_tokens=2), timeout=60))
     assert sum(one.values()) == 1 and set(one) <= {"visible", "token", "text", "disk", "cold"}  # one lookup, by source

@@ -1,4 +1,4 @@
-"""Bad input gets a problem document with the right status (PROTOCOL.md), never a 500."""
+"""Bad input gets a problem document with the right status (docs/api.md, Problem codes), never a 500."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import socket
 import time
 
 import pytest
-from conftest import ask
+from tests.helpers import HTTP, ask
 
 PROBLEM_FIELDS = {"type", "title", "status", "detail", "code"}
 
@@ -143,16 +143,14 @@ def test_unknown_model(client):
 
 
 def test_prompt_over_the_context(start_server, tiny_model_dir):
-    import httpx
-
     server = start_server("--model", str(tiny_model_dir), "--model-id", "tiny", "--ctx", "64")
-    r = httpx.post(server.url + "/lmsp/v1/responses", json=ask("word " * 100))
+    r = HTTP.post(server.url + "/lmsp/v1/responses", json=ask("word " * 100))
     doc = problem(r, 400, "context_length_exceeded")
     assert "64" in doc["detail"]
     prompt_tokens = [int(w) for w in doc["detail"].split() if w.isdigit() and int(w) != 64]
     assert prompt_tokens and prompt_tokens[0] > 64
     # A prompt that fits is clamped to the room left, never past the context.
-    ok = httpx.post(server.url + "/lmsp/v1/responses", json=ask("hi", max_output_tokens=1000), timeout=60).json()
+    ok = HTTP.post(server.url + "/lmsp/v1/responses", json=ask("hi", max_output_tokens=1000), timeout=60).json()
     assert ok["status"] == "incomplete"
     assert ok["incomplete_details"] == {"reason": "context_length"}
     assert ok["usage"]["total_tokens"] == 64
@@ -160,13 +158,13 @@ def test_prompt_over_the_context(start_server, tiny_model_dir):
     talk = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "word " * 20},
             {"role": "assistant", "content": "word " * 20}, {"role": "user", "content": "hi"}]
     body = {**ask(input=talk, max_output_tokens=8), "truncation": "auto"}
-    cut = httpx.post(server.url + "/v1/responses", json=body, timeout=60).json()
+    cut = HTTP.post(server.url + "/v1/responses", json=body, timeout=60).json()
     assert cut["truncation"] == "auto" and cut["usage"]["input_tokens"] + 8 <= 64, cut
     assert cut["usage"]["output_tokens"] == 8
     assert "dropped the 2 oldest items (of 4)" in server.log()  # the oldest user message, then the assistant's
-    refused = httpx.post(server.url + "/v1/responses", json={**body, "truncation": "disabled"}, timeout=60)
+    refused = HTTP.post(server.url + "/v1/responses", json={**body, "truncation": "disabled"}, timeout=60)
     assert refused.status_code == 400 and refused.json()["error"]["code"] == "context_length_exceeded"
-    alone = httpx.post(server.url + "/v1/responses", json={**body, "input": "word " * 100}, timeout=60)
+    alone = HTTP.post(server.url + "/v1/responses", json={**body, "input": "word " * 100}, timeout=60)
     assert alone.status_code == 400 and alone.json()["error"]["code"] == "context_length_exceeded"
 
 
@@ -222,11 +220,14 @@ def test_capabilities_the_model_lacks(client, fields, param):
 
 
 def test_oversized_body(start_server, tiny_model_dir):
-    import httpx
-
     server = start_server("--model", str(tiny_model_dir), "--model-id", "tiny", "--max-body-mb", "0.01")
-    r = httpx.post(server.url + "/lmsp/v1/responses", json=ask("x" * 20000))
+    r = HTTP.post(server.url + "/lmsp/v1/responses", json=ask("x" * 20000))
     problem(r, 413, "payload_too_large")
+    # The unread body ends the connection: the reply says so, and a pooling client's next
+    # request takes a new one instead of failing on the closed one.
+    assert r.headers["Connection"] == "close"
+    assert all(HTTP.post(server.url + "/lmsp/v1/responses", json=ask("x" * 20000)).status_code == 413
+               for _ in range(20))
 
 
 def test_unknown_route_and_method(client):

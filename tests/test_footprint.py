@@ -9,9 +9,9 @@ import mlx.core as mx
 import mlx.nn as nn
 import pytest
 from mlx.utils import tree_flatten
-from tiny_model import build_tiny_moe_model
+from tests.tiny_model import build_tiny_moe_model
 
-from lmsp_mlx import serve
+from lmsp_mlx import flags, serve
 from lmsp_mlx.engine.footprint import estimate_bytes
 from lmsp_mlx.engine.loader import backend_name, load_model
 
@@ -46,7 +46,7 @@ def test_the_estimate_is_what_the_loaded_model_holds(kind, tiny_model_dir, tmp_p
 
 
 def test_a_model_over_the_budget_is_a_start_error_naming_both_figures(tiny_model_dir, tmp_path):
-    args = serve.parse_args(["--model", str(tiny_model_dir), "--memory-budget-mb", "0.1", "--no-kv-disk",
+    args = flags.parse(["--model", str(tiny_model_dir), "--memory-budget-mb", "0.1", "--no-kv-disk",
                              "--store", str(tmp_path / "s.sqlite3"), "--state-key-file", str(tmp_path / "k"),
                              "--port", "1"])
     with pytest.raises(serve.StartError) as err:

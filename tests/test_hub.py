@@ -14,12 +14,11 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-import httpx
 import pytest
 
-from conftest import ask
-from hub_server import Hub, Repo
-from test_cli import one_line_error, serve
+from tests.helpers import HTTP, ask
+from tests.hub_server import Hub, Repo
+from tests.test_cli import one_line_error, serve
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
 
@@ -33,28 +32,32 @@ def hub_cache(home: Path, repo: str, model_dir: Path, ref: str = "main") -> Path
     return root
 
 
+@pytest.mark.slow
 def test_a_cached_repo_id_is_served_offline_under_its_own_name(start_server, tiny_model_dir, tmp_path):
     hub_cache(tmp_path / "hf", "tiny-org/tiny-model", tiny_model_dir)
     env = {"HF_HOME": str(tmp_path / "hf"), "HF_HUB_OFFLINE": "1"}
     server = start_server("--model", "tiny-org/tiny-model", env=env)
-    assert [m["id"] for m in httpx.get(server.url + "/v1/models").json()["data"]][0] == "tiny-org/tiny-model"  # the default, first
-    r = httpx.post(server.url + "/lmsp/v1/responses", json=ask(model="tiny-org/tiny-model"), timeout=120)
+    assert [m["id"] for m in HTTP.get(server.url + "/v1/models").json()["data"]][0] == "tiny-org/tiny-model"  # the default, first
+    r = HTTP.post(server.url + "/lmsp/v1/responses", json=ask(model="tiny-org/tiny-model"), timeout=120)
     assert r.status_code == 200 and r.json()["status"] in ("completed", "incomplete"), r.text
     assert "from the Hugging Face cache" in server.log()
 
 
+@pytest.mark.slow
 def test_a_revision_names_its_ref(start_server, tiny_model_dir, tmp_path):
     hub_cache(tmp_path / "hf", "tiny-org/tiny-model", tiny_model_dir, ref="v1")
     env = {"HF_HOME": str(tmp_path / "hf"), "HF_HUB_OFFLINE": "1"}
     server = start_server("--model", "tiny-org/tiny-model@v1", env=env)
-    assert [m["id"] for m in httpx.get(server.url + "/v1/models").json()["data"]][0] == "tiny-org/tiny-model"  # the default, first
+    assert [m["id"] for m in HTTP.get(server.url + "/v1/models").json()["data"]][0] == "tiny-org/tiny-model"  # the default, first
 
 
+@pytest.mark.slow
 def test_an_uncached_repo_id_offline_is_one_line_naming_it_and_how_to_fetch_it(tmp_path):
     done = serve("--model", "nobody/nothing", env={"HF_HOME": str(tmp_path / "hf"), "HF_HUB_OFFLINE": "1"})
     one_line_error(done, "'nobody/nothing'", "HF_HUB_OFFLINE", "hf download nobody/nothing")
 
 
+@pytest.mark.slow
 def test_a_revision_the_cache_lacks_is_one_line_naming_it(tiny_model_dir, tmp_path):
     hub_cache(tmp_path / "hf", "tiny-org/tiny-model", tiny_model_dir)
     done = serve("--model", "tiny-org/tiny-model@nope", env={"HF_HOME": str(tmp_path / "hf"), "HF_HUB_OFFLINE": "1"})
@@ -70,13 +73,14 @@ def hub_repo(model_dir: Path, tmp_path: Path) -> Repo:
     return Repo.of(folder, COMMIT, refs=("main", "v1"))
 
 
+@pytest.mark.slow
 def test_an_uncached_repo_id_downloads_with_progress_then_starts_from_the_cache(start_server, tiny_model_dir,
                                                                                tmp_path):
     repo = hub_repo(tiny_model_dir, tmp_path)
     env = {"HF_HOME": str(tmp_path / "hf"), "HF_HUB_OFFLINE": "0", "HF_TOKEN": "hf_test_token"}
     with Hub({"tiny-org/tiny-model": repo}, token="hf_test_token") as hub:
         server = start_server("--model", "tiny-org/tiny-model", env={**env, "HF_ENDPOINT": hub.url})
-        r = httpx.post(server.url + "/lmsp/v1/responses", json=ask(model="tiny-org/tiny-model"), timeout=120)
+        r = HTTP.post(server.url + "/lmsp/v1/responses", json=ask(model="tiny-org/tiny-model"), timeout=120)
         assert r.status_code == 200 and r.json()["status"] in ("completed", "incomplete"), r.text
         log = server.log()
         assert f"model tiny-org/tiny-model: downloading from {hub.url}" in log
@@ -90,8 +94,9 @@ def test_an_uncached_repo_id_downloads_with_progress_then_starts_from_the_cache(
     assert "model tiny-org/tiny-model: from the Hugging Face cache" in again.log()
 
 
+@pytest.mark.slow
 def test_a_repo_revision_or_token_the_hub_refuses_is_one_line(tiny_model_dir, tmp_path):
-    from test_models_cli import models
+    from tests.test_models_cli import models
 
     env = {"HF_HOME": str(tmp_path / "hf"), "HF_HUB_OFFLINE": "0", "HF_TOKEN": "hf_test_token"}
     with Hub({"tiny-org/tiny-model": hub_repo(tiny_model_dir, tmp_path)}, token="hf_test_token") as hub:
@@ -122,11 +127,11 @@ def test_a_revision_may_hold_slashes():
     ("org/name@", "a repo id is org/name or org/name@revision"),
 ])
 def test_a_repo_id_the_hub_would_refuse_is_one_line_saying_why(spec, why, tmp_path):
-    from lmsp_mlx import serve
-    from test_models_cli import models
+    from lmsp_mlx import flags, serve
+    from tests.test_models_cli import models
 
     with pytest.raises(serve.StartError) as err:
-        serve.build(serve.parse_args(["--model", spec, "--models-dir", str(tmp_path / "store")]))
+        serve.build(flags.parse(["--model", spec, "--models-dir", str(tmp_path / "store")]))
     assert "\n" not in str(err.value) and "nor a Hugging Face repo id" in str(err.value) and why in str(err.value)
     if spec == "org/a..b":  # the CLI says the same, where huggingface_hub raised its own traceback
         pulled = models("pull", spec, env={"HF_HOME": str(tmp_path / "hf")})

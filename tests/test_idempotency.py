@@ -1,4 +1,4 @@
-"""Idempotency-Key: a retried POST never generates twice (PROTOCOL.md, Headers)."""
+"""Idempotency-Key: a retried POST never generates twice (docs/api.md, Idempotent retries)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
-from conftest import ask, read_sse
+from tests.helpers import HTTP, ask, read_sse
 
 
 @pytest.fixture(scope="module")
@@ -17,12 +17,12 @@ def server(start_module_server, tiny_model_dir):
 
 def generations(server) -> int:
     """Requests the worker has finished, from /metrics."""
-    text = httpx.get(server.url + "/metrics").text
+    text = HTTP.get(server.url + "/metrics").text
     return sum(int(n) for n in re.findall(r"^lmsp_requests_total\{[^}]*\} (\d+)$", text, re.M))
 
 
 def post(server, body, key, route="/lmsp/v1/responses") -> httpx.Response:
-    return httpx.post(server.url + route, json=body, headers={"Idempotency-Key": key}, timeout=120)
+    return HTTP.post(server.url + route, json=body, headers={"Idempotency-Key": key}, timeout=120)
 
 
 def test_concurrent_duplicates_generate_once_and_get_the_same_response(server):
@@ -58,11 +58,11 @@ def test_a_streamed_retry_re_attaches_to_the_same_events(server):
 
 def test_a_task_retry_gets_the_same_task(server):
     body = {"request": ask(max_output_tokens=5)}
-    first = httpx.post(server.url + "/lmsp/v1/tasks", json=body, headers={"Idempotency-Key": "key-task"})
-    again = httpx.post(server.url + "/lmsp/v1/tasks", json=body, headers={"Idempotency-Key": "key-task"})
+    first = HTTP.post(server.url + "/lmsp/v1/tasks", json=body, headers={"Idempotency-Key": "key-task"})
+    again = HTTP.post(server.url + "/lmsp/v1/tasks", json=body, headers={"Idempotency-Key": "key-task"})
     assert first.status_code == again.status_code == 202
     assert first.json()["id"] == again.json()["id"] and again.headers["Idempotent-Replayed"] == "true"
-    other = httpx.post(server.url + "/lmsp/v1/tasks", json={"request": ask(max_output_tokens=6)},
+    other = HTTP.post(server.url + "/lmsp/v1/tasks", json={"request": ask(max_output_tokens=6)},
                        headers={"Idempotency-Key": "key-task"})
     assert other.status_code == 422
 

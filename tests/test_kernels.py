@@ -28,13 +28,11 @@ from lmsp_mlx.kernels import cuda_source
 from lmsp_mlx.kernels import experts as expert_module
 from lmsp_mlx.kernels.quantized import QuantizedExperts
 from lmsp_mlx.kernels.sources import sections
-from tiny_model import build_tiny_model, build_tiny_moe_model
+from tests.tiny_model import build_tiny_model, build_tiny_moe_model
 
-needs_backend = pytest.mark.skipif(
-    kernels.backend() is None,
-    reason="this MLX build has neither Metal nor CUDA (the CPU build): the kernels cannot run here; "
-    "their references are tested on every build",
-)
+# The kernels themselves run on Metal or CUDA only (conftest skips `gpu` tests on the CPU
+# build); their references are tested on every build.
+needs_backend = pytest.mark.gpu
 
 
 def unpack(packed: mx.array, scales: mx.array, biases: mx.array, group_size: int, bits: int) -> np.ndarray:
@@ -229,7 +227,8 @@ def use_cpu_build(build: str, threads: str, request, monkeypatch) -> None:
 
 
 @needs_cpu_kernel
-@pytest.mark.parametrize("build, threads", [("installed", "all"), ("installed", "one"), ("portable", "all")])
+@pytest.mark.parametrize("build, threads", [("installed", "all"), ("installed", "one"),
+                                           pytest.param("portable", "all", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("bits", [2, 3, 4, 8])
 @pytest.mark.parametrize("group_size", [32, 64])
 @pytest.mark.parametrize("tokens, k", [(1, 8), (3, 2), (12, 4)])  # 12 x 4 of 10 experts: shared ones
@@ -248,7 +247,8 @@ def test_the_cpu_expert_kernel_matches_the_reference(bits, group_size, tokens, k
 
 
 @needs_cpu_kernel
-@pytest.mark.parametrize("build, threads", [("installed", "all"), ("installed", "one"), ("portable", "all")])
+@pytest.mark.parametrize("build, threads", [("installed", "all"), ("installed", "one"),
+                                           pytest.param("portable", "all", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("bits", [2, 3, 4, 8])
 @pytest.mark.parametrize("group_size", [32, 64])
 @pytest.mark.parametrize("batch, hq, hkv, n, d", ATTENTION_CASES + [
@@ -406,6 +406,7 @@ needs_cuda = pytest.mark.skipif(kernels.backend() != "cuda", reason="the one-lau
                                 "this build has " + (kernels.backend() or "neither Metal nor CUDA"))
 
 
+@pytest.mark.gpu
 @needs_cuda
 def test_one_launch_forms_agree_with_two_launches_and_the_reference(monkeypatch):
     """The CUDA one-launch forms hand partial results between blocks through memory and a
@@ -652,6 +653,7 @@ def ptxas_reports(tmp_path_factory) -> dict[str, list[str]]:
     return reports
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="no nvcc: the CUDA twins' compile check needs the CUDA toolkit")
 @pytest.mark.parametrize("case", list(CUDA_BUILDS))
 def test_cuda_twins_compile_as_mlx_assembles_them(case, ptxas_reports):
@@ -665,6 +667,7 @@ def test_cuda_twins_compile_as_mlx_assembles_them(case, ptxas_reports):
                                        for line in ptxas_reports[case]), ptxas_reports[case]
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="no nvcc: the CUDA timing programs need the CUDA toolkit")
 def test_the_cuda_timing_programs_build(tmp_path):
     """benchmarks/cuda_kernels.py times the CUDA twins outside MLX on a lent GPU, where a
@@ -677,13 +680,19 @@ def test_the_cuda_timing_programs_build(tmp_path):
     assert all(path.exists() for path in built.values()) and len(built) == 4
 
 
+def needs_simt(test):
+    """Each SIMT case builds and runs a C++ emulation of a kernel body: slow, and only where g++ is."""
+    no_gxx = pytest.mark.skipif(shutil.which("g++") is None, reason="no g++ to build the SIMT emulation")
+    return pytest.mark.slow(no_gxx(test))
+
+
 # The kernel bodies themselves, run on the CPU by tests/simt.py (one OS thread per GPU
 # thread, barriers and simd/warp sums emulated), in float32, against the references: the
 # indexing, the synchronisation and the split/merge math of the very text MLX compiles.
 DIALECTS = ["metal", "cu"]
 
 
-@pytest.mark.skipif(shutil.which("g++") is None, reason="no g++ to build the SIMT emulation")
+@needs_simt
 @pytest.mark.parametrize("dialect", DIALECTS)
 @pytest.mark.parametrize("bits, group_size, hq, hkv, n, d, batch", [
     # two splits of 256, the second partial and ending mid-batch; 4 query rows per KV head
@@ -697,7 +706,7 @@ DIALECTS = ["metal", "cu"]
     (8, 64, 2, 1, 33, 256, 4),  # 64-bit spans: value by value
 ])
 def test_attention_kernel_source_computes_its_reference(dialect, bits, group_size, hq, hkv, n, d, batch, monkeypatch):
-    import simt
+    from tests import simt
 
     monkeypatch.setattr(attention_module, "BATCH", batch)
 
@@ -727,7 +736,7 @@ def test_attention_kernel_source_computes_its_reference(dialect, bits, group_siz
 
 def run_one_launch(inputs, batch, hkv, rows, d, bits, group_size, scale):
     """decode_attention.cu's state+body+last under the SIMT emulation: -> (batch * hkv * rows, d)."""
-    import simt
+    from tests import simt
 
     splits = -(-inputs["kw"].shape[2] // attention_module.CHUNK)
     got = simt.run("decode_attention", "state+body+last", "cu", inputs,
@@ -739,13 +748,13 @@ def run_one_launch(inputs, batch, hkv, rows, d, bits, group_size, scale):
     return got["result"]
 
 
-@pytest.mark.skipif(shutil.which("g++") is None, reason="no g++ to build the SIMT emulation")
+@needs_simt
 def test_the_one_launch_attention_source_merges_many_splits_of_a_batch(monkeypatch):
     """Two sequences, 35 splits a KV head (past one round of 32 in the last split's merge,
     the last round partial), each sequence's last split merging its own splits only: the
     reference's output, and exactly the two-launch merge's, which sums in the same order.
     One KV head a sequence keeps the emulation to 70 threadgroups."""
-    import simt
+    from tests import simt
 
     monkeypatch.setattr(attention_module, "CHUNK", 32)
     batch, hq, hkv, n, d, bits, group_size = 2, 4, 1, 1100, 64, 4, 32
@@ -781,13 +790,13 @@ def test_the_one_launch_attention_source_merges_many_splits_of_a_batch(monkeypat
     assert np.array_equal(got, out["out"])
 
 
-@pytest.mark.skipif(shutil.which("g++") is None, reason="no g++ to build the SIMT emulation")
+@needs_simt
 @pytest.mark.parametrize("dialect", DIALECTS)
 def test_the_attention_sources_skip_each_rows_left_padding(dialect):
     """A batch of sequences of different lengths (BatchQuantizedKVCache's layout): row 1
     starts at position 270, so its first split is wholly padding and its second starts
     inside it; each row gets what it gets alone."""
-    import simt
+    from tests import simt
 
     batch, hq, hkv, n, d, bits, group_size = 2, 4, 2, 300, 32, 4, 32
     buffers = {p: [np.array(a) for a in mx.quantize(mx.random.normal((batch, hkv, n, d)), group_size, bits)]
@@ -817,7 +826,7 @@ def test_the_attention_sources_skip_each_rows_left_padding(dialect):
         assert rel_err(got[b : b + 1], alone) < 1e-5, b
 
 
-@pytest.mark.skipif(shutil.which("g++") is None, reason="no g++ to build the SIMT emulation")
+@needs_simt
 @pytest.mark.parametrize("dialect", DIALECTS)
 @pytest.mark.parametrize("bits, group_size, d, h, tokens, k, rows_per_warp, share, experts", [
     (3, 32, 96, 64, 2, 3, expert_module.ROWS, 1, 6),  # 3-bit codes cross words; 3 chunks a row, most lanes idle
@@ -830,7 +839,7 @@ def test_the_attention_sources_skip_each_rows_left_padding(dialect):
 ])
 def test_expert_kernel_sources_compute_their_reference(dialect, bits, group_size, d, h, tokens, k, rows_per_warp,
                                                        share, experts, monkeypatch):
-    import simt
+    from tests import simt
 
     monkeypatch.setattr(expert_module, "ROWS", rows_per_warp)
 
@@ -857,7 +866,7 @@ def test_expert_kernel_sources_compute_their_reference(dialect, bits, group_size
 
 def run_fused(x, indices, gate, up, down, template, trace=False):
     """expert_swiglu.cu's one-launch kernel under the SIMT emulation: -> y (pairs, D)[, trace]."""
-    import simt
+    from tests import simt
 
     pairs, d, h = indices.size, x.shape[-1], gate.output_dims
     slices = h // template["SLICE"]
@@ -870,7 +879,7 @@ def run_fused(x, indices, gate, up, down, template, trace=False):
     return (got[0]["y"], got[1]) if trace else got["y"]
 
 
-@pytest.mark.skipif(shutil.which("g++") is None, reason="no g++ to build the SIMT emulation")
+@needs_simt
 @pytest.mark.parametrize("bits, group_size, d, h, tokens, k, slice_, warps, rows", [
     (4, 64, 1088, 128, 1, 2, 32, 8, 4),  # the defaults' shape of launch; lanes 0 and 1 take a second x chunk
     (3, 32, 96, 64, 2, 3, 32, 4, 4),  # 3-bit codes cross words; two rounds of rows a warp
@@ -890,7 +899,7 @@ def test_the_fused_expert_kernel_source_computes_its_reference(bits, group_size,
     assert rel_err(y.reshape(tokens, k, d), want) < 1e-5
 
 
-@pytest.mark.skipif(shutil.which("g++") is None, reason="no g++ to build the SIMT emulation")
+@needs_simt
 def test_the_fused_expert_kernel_source_reads_shared_memory_without_bank_conflicts():
     """Its staged x as gate_up's (one pass for 16-byte reads), and its hidden slice as a
     broadcast: every thread of a warp reads the same value."""
@@ -903,7 +912,7 @@ def test_the_fused_expert_kernel_source_reads_shared_memory_without_bank_conflic
     assert trace.worst(4)["hsl"] == 1
 
 
-@pytest.mark.skipif(shutil.which("g++") is None, reason="no g++ to build the SIMT emulation")
+@needs_simt
 @pytest.mark.parametrize("dialect", DIALECTS)
 @pytest.mark.parametrize("section", ["gate_up", "down"])
 def test_expert_kernel_sources_read_their_staged_vector_without_bank_conflicts(dialect, section):
@@ -913,7 +922,7 @@ def test_expert_kernel_sources_read_their_staged_vector_without_bank_conflicts(d
     fits that: the same weight reads took 61 us at 4 rows a simdgroup and 92 us at 1 row,
     which reads the staged vector 4 times as often. Traced as NVIDIA GPUs serve the reads,
     the swizzled layout takes one pass for 16-byte reads and at most 4 for 4-byte ones."""
-    import simt
+    from tests import simt
 
     width, other, bits, group_size = 1024, 64, 4, 64  # 32 chunks a row: every lane busy
     d, h = (width, other) if section == "gate_up" else (other, width)

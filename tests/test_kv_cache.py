@@ -10,22 +10,15 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-import httpx
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))
-from conftest import source_of  # noqa: E402
-from tiny_model import SCRIPTED_REPLY, build_scripted_model  # noqa: E402
-
-
-@pytest.fixture(scope="session")
-def scripted_dir(tmp_path_factory) -> Path:
-    return build_scripted_model(tmp_path_factory.mktemp("models") / "scripted")
+from tests.helpers import HTTP, source_of
+from tests.tiny_model import SCRIPTED_REPLY
 
 
 def respond(server, messages, route="/lmsp/v1/responses", model="tiny", **fields) -> dict:
     body = {"model": model, "input": messages, "temperature": 0, "max_output_tokens": 12, **fields}
-    r = source_of(server, lambda: httpx.post(server.url + route, json=body, timeout=120))
+    r = source_of(server, lambda: HTTP.post(server.url + route, json=body, timeout=120))
     assert r.status_code == 200, r.text
     return r.json()
 
@@ -197,13 +190,13 @@ def test_no_kv_disk_writes_nothing(start_server, tiny_model_dir, tmp_path):
 
 
 def test_a_quantized_kv_cache_is_reused_checkpointed_and_kept_apart(start_server, tmp_path):
-    from tiny_model import build_tiny_model
+    from tests.tiny_model import build_tiny_model
 
     wide = build_tiny_model(tmp_path / "wide", head_dim=64)  # quantization groups need 32 or more
     kv = ["--model", str(wide), "--model-id", "tiny", "--kv-disk-dir", str(tmp_path / "kv")]
     history = [user("Describe the harbour at dawn, the boats and the nets. " * 6)]
     quantized = start_server(*kv, "--kv-bits", "8")
-    model = httpx.get(quantized.url + "/lmsp/v1/models/tiny").json()
+    model = HTTP.get(quantized.url + "/lmsp/v1/models/tiny").json()
     assert model["kv_cache"] == "8-bit, group 64"
     first = respond(quantized, history)
     again = respond(quantized, history)  # the same request from its own (quantized) KV
@@ -223,6 +216,7 @@ def test_a_quantized_kv_cache_is_reused_checkpointed_and_kept_apart(start_server
     assert back.sources == ["disk"] and reply_text(resumed) == reply_text(live)
 
 
+@pytest.mark.slow
 def test_a_kv_quantization_the_model_cannot_take_is_refused_at_start(tiny_model_dir, tmp_path):
     import subprocess
 

@@ -15,11 +15,12 @@ from pathlib import Path
 import mlx.core as mx
 import pytest
 from lmsp_mlx.cache.disk import CheckpointStore, read_header
-from lmsp_mlx.cache.pool import Policy, SessionPool, Start
+from lmsp_mlx.cache.pool import SessionPool, Start
 from lmsp_mlx.engine.batch import generate
 from lmsp_mlx.engine.generate import GenerationParams, prefill
 from lmsp_mlx.engine.loader import load_model
 from lmsp_mlx.engine.render import render, turn_binding
+from lmsp_mlx.settings import CacheSettings
 
 STORY = "The ferry crossed twice a day, and the keeper wrote down every passenger. "
 
@@ -36,7 +37,7 @@ def checkpoint(pool: SessionPool, session) -> None:
 
 def new_pool(lm, disk_dir: Path | None = None, budget: int = 2**30, **policy) -> SessionPool:
     disk = CheckpointStore(disk_dir, lm.fingerprint, budget) if disk_dir else None
-    return SessionPool(lm.model, lm.tokenizer, Policy(**{"checkpoint_min_tokens": 10**9, **policy}), disk)
+    return SessionPool(lm.model, lm.tokenizer, CacheSettings(**{"checkpoint_min_tokens": 10**9, **policy}), disk)
 
 
 def turn(pool: SessionPool, lm, messages: list[dict], max_tokens: int = 10) -> tuple[Start, str, int]:
@@ -269,6 +270,7 @@ print("written", flush=True)
 """
 
 
+@pytest.mark.slow
 def test_a_write_killed_midway_leaves_nothing_that_loads(tmp_path):
     proc = subprocess.Popen([sys.executable, "-c", WRITER, str(tmp_path)], stdout=subprocess.PIPE, text=True)
     assert proc.stdout.readline().strip() == "writing"

@@ -8,15 +8,13 @@ get_time in one turn, every turn; the tiny random model answers free text.
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 
 import httpx
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))
-from conftest import ENDLESS, source_of  # noqa: E402
-from tiny_model import CALLS, TOOL_SCRIPT, build_scripted_model  # noqa: E402
+from tests.helpers import HTTP, source_of
+from tests.tiny_model import ENDLESS
+from tests.tiny_model import build_scripted_model
 
 TOOLS = [
     {"name": "get_weather", "description": "Weather in a city.",
@@ -31,7 +29,7 @@ BILLING = "x-anthropic-billing-header: cc_version=2.1.328.{}; cc_entrypoint=cli;
 def post(server, body: dict, path: str = "/v1/messages", **kw) -> httpx.Response:
     """The request, its cache source recorded on `server.sources` (conftest.source_of)."""
     body = {"model": "tiny", "max_tokens": 40, "temperature": 0, **body}
-    return source_of(server, lambda: httpx.post(server.url + path, json=body, timeout=120, **kw))
+    return source_of(server, lambda: HTTP.post(server.url + path, json=body, timeout=120, **kw))
 
 
 def events(r: httpx.Response) -> list[tuple[str, dict]]:
@@ -50,11 +48,6 @@ def anthropic_error(r: httpx.Response, status: int, kind: str) -> str:
     doc = r.json()
     assert doc["type"] == "error" and doc["error"]["type"] == kind, doc
     return doc["error"]["message"]
-
-
-@pytest.fixture(scope="module")
-def caller_dir(tmp_path_factory) -> Path:
-    return build_scripted_model(tmp_path_factory.mktemp("models") / "caller", script=TOOL_SCRIPT, words=CALLS)
 
 
 @pytest.fixture(scope="module")
@@ -273,7 +266,7 @@ def test_keys_as_anthropic_clients_send_them(start_server, tiny_model_dir, tmp_p
     body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
 
     def send(**headers):
-        return httpx.post(server.url + "/v1/messages", json=body, headers=headers, timeout=60)
+        return HTTP.post(server.url + "/v1/messages", json=body, headers=headers, timeout=60)
 
     assert send(**{"x-api-key": "writer"}).status_code == 200
     assert send(Authorization="Bearer writer").status_code == 200
@@ -312,12 +305,13 @@ def test_bad_input_is_400_naming_the_field(client, body, field):
 
 def test_an_oversized_body_is_413_in_anthropics_shape(start_server, tiny_model_dir):
     server = start_server("--model", str(tiny_model_dir), "--model-id", "tiny", "--max-body-mb", "0.01")
-    r = httpx.post(server.url + "/v1/messages", timeout=60,
+    r = HTTP.post(server.url + "/v1/messages", timeout=60,
                    json={"model": "tiny", "max_tokens": 2, "messages": [{"role": "user", "content": "x" * 20000}]})
     anthropic_error(r, 413, "request_too_large")
-    assert httpx.get(server.url + "/healthz").status_code == 200
+    assert HTTP.get(server.url + "/healthz").status_code == 200
 
 
+@pytest.mark.slow  # decodes 1,200 tokens, then more
 def test_a_thinking_budget_closes_the_think_block(start_server, tmp_path):
     # A model that would think " the the the ..." until max_tokens.
     ponder = build_scripted_model(tmp_path / "ponder", script=["Ċ", "<think>", "Ġt", "h", "e", "Ġt", None,
@@ -334,19 +328,20 @@ def test_a_thinking_budget_closes_the_think_block(start_server, tmp_path):
     # 1,024 tokens of thinking, its closing tag, the reply, then the end of the turn.
     assert capped["usage"]["output_tokens"] == 1028
     # The Responses form of the same budget (an extension of `reasoning`).
-    r = httpx.post(server.url + "/v1/responses", timeout=60, json={
+    r = HTTP.post(server.url + "/v1/responses", timeout=60, json={
         "model": "tiny", "input": "Think.", "reasoning": {"budget_tokens": 5}, "max_output_tokens": 100})
     out = r.json()
     assert out["status"] == "completed"
     assert [i["summary"][0]["text"] for i in out["output"] if i["type"] == "reasoning"] == [" the th"]  # Ġt h e Ġt h
 
 
+@pytest.mark.slow
 def test_a_stream_cut_by_shutdown_ends_with_an_overloaded_error_event(start_server, tiny_model_dir):
     import signal
 
     server = start_server("--model", str(tiny_model_dir), "--model-id", "tiny", process=True)
     body = {"model": "tiny", "max_tokens": 30000, "stream": True, "messages": [{"role": "user", "content": ENDLESS}]}
-    with httpx.stream("POST", server.url + "/v1/messages", json=body, timeout=60) as r:
+    with HTTP.stream("POST", server.url + "/v1/messages", json=body, timeout=60) as r:
         frames, signalled = [], False
         for line in r.iter_lines():
             frames.append(line)
@@ -364,7 +359,7 @@ def test_a_client_that_leaves_stops_its_generation(tiny_server):
 
     body = {"model": "tiny", "max_tokens": 30000, "stream": True, "messages": [{"role": "user", "content": ENDLESS}],
             "metadata": {"user_id": "leaves"}}
-    with httpx.stream("POST", tiny_server.url + "/v1/messages", json=body, timeout=60) as r:
+    with HTTP.stream("POST", tiny_server.url + "/v1/messages", json=body, timeout=60) as r:
         for line in r.iter_lines():
             if '"text_delta"' in line:
                 break

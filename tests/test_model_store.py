@@ -37,6 +37,7 @@ def test_a_file_that_is_not_gguf_is_rejected(tmp_path):
         convert_gguf(bad, tmp_path / "out")
 
 
+@pytest.mark.slow
 def test_default_model_is_converted_once_and_reused(default_server):
     target = default_models_dir() / DEFAULT_MODEL.name
     marker = target / RECIPE_FILE

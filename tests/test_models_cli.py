@@ -7,9 +7,13 @@ import shutil
 import subprocess
 import sys
 
-from test_hub import hub_cache
+import pytest
 
-from servers import ROOT
+from tests.test_hub import hub_cache
+
+from tests.servers import ROOT
+
+pytestmark = pytest.mark.slow  # python -m lmsp_mlx.models in a process of its own
 
 
 def models(*args: str, env: dict) -> subprocess.CompletedProcess:

@@ -9,11 +9,9 @@ from __future__ import annotations
 
 import json
 
-import httpx
 import pytest
-from conftest import read_sse
-from test_kv_cache import scripted_dir  # noqa: F401
-from test_tools import QUESTION, TOOLS, caller_dir  # noqa: F401
+from tests.helpers import HTTP, read_sse
+from tests.test_tools import QUESTION, TOOLS
 
 types = pytest.importorskip("openresponses_types.types", reason="openresponses-types is a test dependency")
 
@@ -36,7 +34,7 @@ FINAL = ("response.completed", "response.incomplete", "response.failed")
 
 
 def check_stream(server, body: dict) -> list[dict]:
-    with httpx.stream("POST", server.url + "/v1/responses", json={**body, "stream": True}, timeout=120) as r:
+    with HTTP.stream("POST", server.url + "/v1/responses", json={**body, "stream": True}, timeout=120) as r:
         assert r.status_code == 200
         lines = list(r.iter_lines())
     assert [line for line in lines if line.startswith("data: ")][-1] == "data: [DONE]"
@@ -69,9 +67,9 @@ def test_text_streams_and_objects_follow_the_specification(tiny_server):
     body = {"model": "tiny", "input": "Count these tokens, the whole prompt", "temperature": 0, "max_output_tokens": 8}
     events = check_stream(tiny_server, body)
     check_order(events)
-    sync = httpx.post(tiny_server.url + "/v1/responses", json=body, timeout=120).json()
+    sync = HTTP.post(tiny_server.url + "/v1/responses", json=body, timeout=120).json()
     types.ResponseResource.model_validate(sync)
-    stored = httpx.get(f"{tiny_server.url}/v1/responses/{sync['id']}").json()
+    stored = HTTP.get(f"{tiny_server.url}/v1/responses/{sync['id']}").json()
     types.ResponseResource.model_validate(stored)
 
 
@@ -79,7 +77,7 @@ def test_the_echoed_tools_say_strict_as_the_schema_requires(tiny_server):
     tool = {"type": "function", "name": "lookup", "parameters": {"type": "object", "properties": {}}}
     body = {"model": "tiny", "input": "Count", "temperature": 0, "max_output_tokens": 4, "tool_choice": "none"}
     for tools, strict in (([tool], None), ([{**tool, "strict": False}], False)):
-        sync = httpx.post(tiny_server.url + "/v1/responses", json={**body, "tools": tools}, timeout=120).json()
+        sync = HTTP.post(tiny_server.url + "/v1/responses", json={**body, "tools": tools}, timeout=120).json()
         assert sync["tools"][0]["strict"] is strict  # present, boolean or null
         types.ResponseResource.model_validate(sync)
 
@@ -110,7 +108,7 @@ def test_requests_arriving_together_are_all_answered(tiny_server):
         body = {"model": "tiny", "input": f"Request {i}: count these tokens", "temperature": 0,
                 "max_output_tokens": 400 if i == 0 else 6, "stream": i % 2 == 1}
         route = "/v1/responses" if i % 3 else "/lmsp/v1/responses"
-        r = httpx.post(tiny_server.url + route, json=body, timeout=300)
+        r = HTTP.post(tiny_server.url + route, json=body, timeout=300)
         return r.status_code
 
     with ThreadPoolExecutor(8) as pool:
@@ -127,8 +125,8 @@ def test_request_settings_come_back_and_objects_validate_against_the_openai_sdk(
                 "text": {"format": {"type": "text"}, "verbosity": "low"}}
     body = {"model": "tiny", "input": "Count these tokens", "temperature": 0, "max_output_tokens": 4,
             "stream": None, "store": None, "top_p": None, **settings}
-    sync = httpx.post(tiny_server.url + "/v1/responses", json=body, timeout=120).json()
-    stored = httpx.get(f"{tiny_server.url}/v1/responses/{sync['id']}").json()  # null store: OpenAI's default, stored
+    sync = HTTP.post(tiny_server.url + "/v1/responses", json=body, timeout=120).json()
+    stored = HTTP.get(f"{tiny_server.url}/v1/responses/{sync['id']}").json()  # null store: OpenAI's default, stored
     streamed = check_stream(tiny_server, body)
     for resp in (sync, stored, streamed[-1]["response"]):
         assert {k: resp[k] for k in settings} == settings
@@ -140,7 +138,7 @@ def test_request_settings_come_back_and_objects_validate_against_the_openai_sdk(
     done = [e["item"] for e in streamed if e["type"] == "response.output_item.done"]
     assert streamed[-1]["type"] == "response.incomplete"
     assert [i["status"] for i in done] == [o["status"] for o in streamed[-1]["response"]["output"]] == ["incomplete"]
-    bad = httpx.post(tiny_server.url + "/v1/responses", json={**body, "metadata": {"n": 1}}, timeout=30)
+    bad = HTTP.post(tiny_server.url + "/v1/responses", json={**body, "metadata": {"n": 1}}, timeout=30)
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "metadata.n"
 
 
@@ -235,12 +233,12 @@ def test_a_background_stream_survives_its_client_and_is_resumed(tiny_server):
     for past in (len(whole), 2**63 - 1, 10**30):  # past the end: nothing more
         assert _checked(sdk.responses.retrieve(response_id, stream=True, starting_after=past)) == []
     for bad in ("x", "-2"):
-        r = httpx.get(f"{tiny_server.url}/v1/responses/{response_id}", params={"stream": "true", "starting_after": bad})
+        r = HTTP.get(f"{tiny_server.url}/v1/responses/{response_id}", params={"stream": "true", "starting_after": bad})
         assert r.status_code == 400 and r.json()["error"]["param"] == "starting_after"
-    r = httpx.get(f"{tiny_server.url}/v1/responses/resp_missing", params={"stream": "true"})
+    r = HTTP.get(f"{tiny_server.url}/v1/responses/resp_missing", params={"stream": "true"})
     assert r.status_code == 404
     sdk.responses.delete(response_id)  # its events held its output too: they go with it
-    assert httpx.get(f"{tiny_server.url}/v1/responses/{response_id}", params={"stream": "true"}).status_code == 404
+    assert HTTP.get(f"{tiny_server.url}/v1/responses/{response_id}", params={"stream": "true"}).status_code == 404
 
 
 def test_a_cancelled_background_stream_ends_for_every_follower(serial_server):
@@ -284,18 +282,18 @@ def test_a_streamed_response_is_readable_while_it_runs_and_kept_when_its_client_
     import time
 
     body = {"model": "tiny", "input": "Count these tokens", "temperature": 0, "max_output_tokens": 20000, "stream": True}
-    with httpx.stream("POST", tiny_server.url + "/v1/responses", json=body, timeout=60) as r:
+    with HTTP.stream("POST", tiny_server.url + "/v1/responses", json=body, timeout=60) as r:
         for line in r.iter_lines():
             if line.startswith("data: ") and '"response.created"' in line:
                 response_id = json.loads(line[6:])["response"]["id"]
             if '"response.output_text.delta"' in line:  # still reading: it runs
-                running = httpx.get(f"{tiny_server.url}/v1/responses/{response_id}").json()
+                running = HTTP.get(f"{tiny_server.url}/v1/responses/{response_id}").json()
                 assert running["status"] == "in_progress" and running["id"] == response_id
                 break  # httpx closes the connection here
     # The client left mid-stream: generation stops, and the response is still stored (store
     # is OpenAI's default), cancelled, with the text it had.
     deadline = time.monotonic() + 60
-    while (kept := httpx.get(f"{tiny_server.url}/v1/responses/{response_id}").json())["status"] == "in_progress":
+    while (kept := HTTP.get(f"{tiny_server.url}/v1/responses/{response_id}").json())["status"] == "in_progress":
         assert time.monotonic() < deadline
         time.sleep(0.05)
     assert kept["status"] == "cancelled" and kept["output"][0]["content"][0]["text"]
@@ -304,11 +302,11 @@ def test_a_streamed_response_is_readable_while_it_runs_and_kept_when_its_client_
 def test_generate_false_prewarms_the_kv_and_answers_nothing(tiny_server):
     body = {"model": "tiny", "input": "A prewarmed prompt, long enough to notice", "instructions": "Be brief.",
             "temperature": 0, "max_output_tokens": 8}
-    warm = httpx.post(tiny_server.url + "/v1/responses", json={**body, "generate": False}, timeout=60).json()
+    warm = HTTP.post(tiny_server.url + "/v1/responses", json={**body, "generate": False}, timeout=60).json()
     assert warm["status"] == "completed" and warm["output"] == [] and warm["usage"]["output_tokens"] == 0
     # The turn that follows (Codex chains it with previous_response_id and no new input) finds
     # the prompt already in the KV, and no invented answer in its history.
-    turn = httpx.post(tiny_server.url + "/v1/responses", timeout=60, json={
+    turn = HTTP.post(tiny_server.url + "/v1/responses", timeout=60, json={
         **body, "input": [], "previous_response_id": warm["id"]}).json()
     assert turn["usage"]["input_tokens"] == warm["usage"]["input_tokens"]
     assert turn["usage"]["input_tokens_details"]["cached_tokens"] >= warm["usage"]["input_tokens"] - 1

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import openai
 import pytest
-from conftest import DEFAULT_MODEL_ID
+from tests.helpers import DEFAULT_MODEL_ID
+
+pytestmark = pytest.mark.slow  # the default model
 
 
 @pytest.fixture(scope="module")

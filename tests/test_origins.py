@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import httpx
 import pytest
-from conftest import ask
+from tests.helpers import HTTP, ask
 
 EVIL = "https://evil.example"
 UI = "http://localhost:5173"  # a local web UI's dev server
@@ -15,12 +15,12 @@ def test_a_foreign_page_cannot_drive_a_server_without_tokens(tiny_server):
     before = tiny_server.log().count("request route=")
     for headers in ({"Origin": EVIL}, {"Origin": EVIL, "Content-Type": "text/plain"},
                     {"Origin": "http://localhost.evil.example"}):
-        r = httpx.post(tiny_server.url + "/v1/responses", json=ask(), headers=headers, timeout=60)
+        r = HTTP.post(tiny_server.url + "/v1/responses", json=ask(), headers=headers, timeout=60)
         assert r.status_code == 403 and "--cors-origin" in r.json()["error"]["message"]
         assert "access-control-allow-origin" not in r.headers
     # Any page can send null from a sandboxed frame: the advice is not to allow it.
     for origin in ("null", "http://evil.example#@localhost"):
-        r = httpx.post(tiny_server.url + "/v1/responses", json=ask(), headers={"Origin": origin}, timeout=60)
+        r = HTTP.post(tiny_server.url + "/v1/responses", json=ask(), headers={"Origin": origin}, timeout=60)
         assert r.status_code == 403 and "--cors-origin" not in r.json()["error"]["message"]
     assert tiny_server.log().count("request route=") == before  # nothing was generated
     r = httpx.options(tiny_server.url + "/v1/responses",
@@ -48,10 +48,10 @@ def test_a_loopback_page_gets_cors_and_its_preflight_answered(tiny_server):
     assert pre.status_code == 204
     assert pre.headers["access-control-allow-origin"] == UI
     assert pre.headers["access-control-allow-headers"] == asked and "POST" in pre.headers["access-control-allow-methods"]
-    r = httpx.post(tiny_server.url + "/lmsp/v1/responses", json=ask(), headers={"Origin": UI}, timeout=60)
+    r = HTTP.post(tiny_server.url + "/lmsp/v1/responses", json=ask(), headers={"Origin": UI}, timeout=60)
     assert r.status_code == 200 and r.headers["access-control-allow-origin"] == UI
     assert "Origin" in r.headers["vary"] and "Retry-After" in r.headers["access-control-expose-headers"]
-    with httpx.stream("POST", tiny_server.url + "/v1/responses", json={**ask(), "stream": True},
+    with HTTP.stream("POST", tiny_server.url + "/v1/responses", json={**ask(), "stream": True},
                       headers={"Origin": "http://127.0.0.1:8080"}, timeout=60) as s:
         assert s.headers["access-control-allow-origin"] == "http://127.0.0.1:8080"  # streams too
         s.read()
@@ -64,10 +64,10 @@ def test_with_tokens_the_named_origins_get_cors_and_the_token_guards_the_rest(st
     pre = httpx.options(server.url + "/v1/responses", headers={  # a preflight carries no token
         "Origin": "https://ui.example", "Access-Control-Request-Method": "POST"})
     assert pre.status_code == 204 and pre.headers["access-control-allow-origin"] == "https://ui.example"
-    r = httpx.post(server.url + "/v1/responses", json=ask(), headers={**token, "Origin": "https://ui.example"},
+    r = HTTP.post(server.url + "/v1/responses", json=ask(), headers={**token, "Origin": "https://ui.example"},
                    timeout=60)
     assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "https://ui.example"
-    other = httpx.post(server.url + "/v1/responses", json=ask(), headers={**token, "Origin": EVIL}, timeout=60)
+    other = HTTP.post(server.url + "/v1/responses", json=ask(), headers={**token, "Origin": EVIL}, timeout=60)
     assert other.status_code == 200 and "access-control-allow-origin" not in other.headers
-    assert httpx.post(server.url + "/v1/responses", json=ask(), headers={"Origin": "https://ui.example"},
+    assert HTTP.post(server.url + "/v1/responses", json=ask(), headers={"Origin": "https://ui.example"},
                       timeout=60).status_code == 401

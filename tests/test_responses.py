@@ -5,8 +5,10 @@ from __future__ import annotations
 import re
 import sys
 
-from conftest import ask
-from tiny_model import FINISHES
+import pytest
+
+from tests.helpers import HTTP, ask
+from tests.tiny_model import FINISHES
 
 
 def test_service_document_lists_the_model(client):
@@ -17,6 +19,14 @@ def test_service_document_lists_the_model(client):
     assert doc["lmsp_version"] == "1.0"
     assert doc["models"][0] == "tiny"  # the default first; the model store's follow
     assert "text" in doc["capabilities"]
+
+
+def test_the_root_names_where_the_apis_are(client):
+    # Clients probe / before their first call (Claude Code sends HEAD /): it answers like /healthz.
+    doc = client.get("/").json()
+    assert doc == {"service": "lmsp-mlx", "lmsp": "/lmsp/v1", "openai": "/v1", "anthropic": "/v1/messages"}
+    assert client.head("/").status_code == 200
+    assert client.get("/lmsp/v1/").json() == client.get("/lmsp/v1").json()
 
 
 def test_models_listing_reports_context_and_backend(client):
@@ -116,10 +126,9 @@ def test_sampling_with_temperature_and_top_p(client):
         assert hot["output"][0]["content"] == greedy["output"][0]["content"]
 
 
+@pytest.mark.slow
 def test_default_model_knows_the_capital_of_france(default_server):
-    import httpx
-
-    r = httpx.post(
+    r = HTTP.post(
         default_server.url + "/lmsp/v1/responses",
         json={
             "model": "SmolLM2-135M-Instruct",
@@ -134,7 +143,7 @@ def test_default_model_knows_the_capital_of_france(default_server):
     body = r.json()
     assert "Paris" in body["output"][0]["content"][0]["text"]
     assert body["status"] == "completed"
-    model = httpx.get(default_server.url + "/lmsp/v1/models").json()["data"][0]
+    model = HTTP.get(default_server.url + "/lmsp/v1/models").json()["data"][0]
     assert model["id"] == "SmolLM2-135M-Instruct"
     assert model["context_length"] == 8192
 

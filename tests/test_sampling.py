@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from collections import Counter
 
-import httpx
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -13,7 +12,8 @@ from mlx_lm.models.cache import make_prompt_cache
 from lmsp_mlx.engine.batch import generate
 from lmsp_mlx.engine.generate import GenerationParams, Penalties
 from lmsp_mlx.engine.loader import load_model
-from tiny_model import ENDLESS
+from tests.tiny_model import ENDLESS
+from tests.helpers import HTTP
 
 
 @pytest.fixture(scope="module")
@@ -92,7 +92,7 @@ def test_a_seed_fixes_the_reply_and_hands_the_random_key_back(tiny_lm):
 def chat(server, **fields) -> str:
     body = {"model": "tiny", "messages": [{"role": "user", "content": ENDLESS}], "max_tokens": 24,
             "temperature": 1.0, **fields}
-    r = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=120)
+    r = HTTP.post(server.url + "/v1/chat/completions", json=body, timeout=120)
     assert r.status_code == 200, r.text
     return r.json()["choices"][0]["message"]["content"]
 
@@ -100,7 +100,7 @@ def chat(server, **fields) -> str:
 def test_chat_and_responses_take_seed_penalties_and_logit_bias(tiny_server, tiny_model_dir):
     hot = {"temperature": 2.0, "frequency_penalty": 2.0}
     assert chat(tiny_server, seed=42, **hot) == chat(tiny_server, seed=42, **hot)
-    r = httpx.post(tiny_server.url + "/v1/responses", timeout=120,  # the same settings on /v1/responses
+    r = HTTP.post(tiny_server.url + "/v1/responses", timeout=120,  # the same settings on /v1/responses
                    json={"model": "tiny", "input": ENDLESS, "max_output_tokens": 12, "temperature": 1.0, "seed": 42,
                          "frequency_penalty": 0.5, "store": False})
     assert r.status_code == 200 and r.json()["frequency_penalty"] == 0.5
@@ -108,6 +108,6 @@ def test_chat_and_responses_take_seed_penalties_and_logit_bias(tiny_server, tiny
     assert chat(tiny_server, logit_bias={str(a): 100}, max_tokens=5) == "aaaaa"
     for field, value in [("seed", 2**64), ("seed", 1.5), ("logit_bias", {"x": 1}), ("logit_bias", {"5": 101}),
                          ("logit_bias", {"99999": 1}), ("logit_bias", [1])]:
-        bad = httpx.post(tiny_server.url + "/v1/chat/completions", timeout=60,
+        bad = HTTP.post(tiny_server.url + "/v1/chat/completions", timeout=60,
                          json={"model": "tiny", "messages": [{"role": "user", "content": "x"}], field: value})
         assert bad.status_code == 400 and bad.json()["error"]["param"].startswith(field), (field, value, bad.text)

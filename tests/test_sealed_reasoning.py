@@ -18,23 +18,17 @@ from pathlib import Path
 import httpx
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))
-from conftest import source_of  # noqa: E402
-from test_tools import QUESTION, TOOLS, outputs_for  # noqa: E402
-from tiny_model import CALLS, TOOL_SCRIPT, build_scripted_model  # noqa: E402
+from tests.helpers import HTTP, source_of
+from tests.test_tools import QUESTION, TOOLS, outputs_for
+from tests.tiny_model import CALLS, TOOL_SCRIPT, build_scripted_model
 
 INCLUDE = ["reasoning.encrypted_content"]
-
-
-@pytest.fixture(scope="module")
-def caller_dir(tmp_path_factory) -> Path:
-    return build_scripted_model(tmp_path_factory.mktemp("models") / "caller", script=TOOL_SCRIPT, words=CALLS)
 
 
 def ask(server, input_: list, **fields) -> httpx.Response:
     body = {"model": "tiny", "input": input_, "tools": TOOLS, "temperature": 0, "max_output_tokens": 40,
             "store": False, "include": INCLUDE, **fields}
-    return source_of(server, lambda: httpx.post(server.url + "/v1/responses", json=body, timeout=120))
+    return source_of(server, lambda: HTTP.post(server.url + "/v1/responses", json=body, timeout=120))
 
 
 def unseal(key_file: Path, token: str) -> dict:
@@ -69,7 +63,7 @@ def test_streamed_reasoning_items_carry_it_in_output_item_done(start_server, cal
     body = {"model": "tiny", "input": [QUESTION], "tools": TOOLS, "temperature": 0, "max_output_tokens": 40,
             "store": False, "include": INCLUDE, "stream": True}
     done = []
-    with httpx.stream("POST", server.url + "/v1/responses", json=body, timeout=120) as r:
+    with HTTP.stream("POST", server.url + "/v1/responses", json=body, timeout=120) as r:
         for line in r.iter_lines():
             if line.startswith("data: {"):
                 event = json.loads(line[6:])
@@ -132,9 +126,10 @@ def test_reasoning_state_that_does_not_open_is_400_naming_the_item(start_server,
     assert error["code"] == "invalid_request" and error["param"] == "input[1].encrypted_content"
     if change == "foreign model":
         assert "another model" in error["message"]
-    assert httpx.get(judge.url + "/healthz").status_code == 200
+    assert HTTP.get(judge.url + "/healthz").status_code == 200
 
 
+@pytest.mark.slow
 def test_a_key_file_others_can_read_is_refused_at_start(caller_dir, tmp_path):
     import subprocess
 
@@ -156,8 +151,8 @@ def test_a_key_file_others_can_read_is_refused_at_start(caller_dir, tmp_path):
 def test_an_agent_loop_replaying_sealed_reasoning_continues_live_every_turn(start_server, tmp_path):
     """Codex's loop without Codex: reason and call, call again after the result (a one-token
     reply), answer after the second; each replay carries the sealed reasoning item."""
-    from test_codex import ANSWER, COUNT, LOOP, READ
-    from tiny_model import STEPPED_CHATML
+    from tests.test_codex import ANSWER, COUNT, LOOP, READ
+    from tests.tiny_model import STEPPED_CHATML
 
     model = build_scripted_model(tmp_path / "looper", script=LOOP, words=(READ, COUNT, ANSWER), template=STEPPED_CHATML)
     server = start_server("--model", str(model), "--model-id", "tiny")

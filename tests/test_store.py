@@ -8,8 +8,8 @@ import time
 
 import httpx
 import pytest
-from conftest import ask, source_of
-from test_kv_cache import assistant, cached, kv_after, scripted_dir, user, visible_prompt  # noqa: F401
+from tests.helpers import HTTP, ask, source_of
+from tests.test_kv_cache import assistant, cached, kv_after, user, visible_prompt
 
 WRITER = {"Authorization": "Bearer writer-token"}
 OTHER = {"Authorization": "Bearer other-token"}
@@ -24,32 +24,32 @@ def stored(start_module_server, tiny_model_dir, tmp_path_factory):
 
 
 def post(server, body, headers=WRITER, route="/lmsp/v1/responses") -> dict:
-    r = httpx.post(server.url + route, json=body, headers=headers, timeout=120)
+    r = HTTP.post(server.url + route, json=body, headers=headers, timeout=120)
     assert r.status_code == 200, r.text
     return r.json()
 
 
 def test_a_stored_response_is_returned_to_its_token_only(stored):
     resp = post(stored, ask("Keep this one.", store=True))
-    got = httpx.get(f"{stored.url}/lmsp/v1/responses/{resp['id']}", headers=WRITER)
+    got = HTTP.get(f"{stored.url}/lmsp/v1/responses/{resp['id']}", headers=WRITER)
     assert got.status_code == 200 and got.json() == resp
-    other = httpx.get(f"{stored.url}/lmsp/v1/responses/{resp['id']}", headers=OTHER)
+    other = HTTP.get(f"{stored.url}/lmsp/v1/responses/{resp['id']}", headers=OTHER)
     assert other.status_code == 404 and other.json()["code"] == "response_not_found"
     unstored = post(stored, ask("Not this one."))  # LMSP's default is store: false
-    assert httpx.get(f"{stored.url}/lmsp/v1/responses/{unstored['id']}", headers=WRITER).status_code == 404
+    assert HTTP.get(f"{stored.url}/lmsp/v1/responses/{unstored['id']}", headers=WRITER).status_code == 404
 
 
 def test_idempotency_keys_belong_to_their_token(stored):
     key = {"Idempotency-Key": "shared-key"}
-    mine = httpx.post(stored.url + "/lmsp/v1/responses", json=ask("One."), headers={**WRITER, **key}, timeout=60)
-    theirs = httpx.post(stored.url + "/lmsp/v1/responses", json=ask("Two."), headers={**OTHER, **key}, timeout=60)
+    mine = HTTP.post(stored.url + "/lmsp/v1/responses", json=ask("One."), headers={**WRITER, **key}, timeout=60)
+    theirs = HTTP.post(stored.url + "/lmsp/v1/responses", json=ask("Two."), headers={**OTHER, **key}, timeout=60)
     assert mine.status_code == theirs.status_code == 200  # not 422: another token's key is another key
     assert mine.json()["id"] != theirs.json()["id"] and "Idempotent-Replayed" not in theirs.headers
 
 
 def test_another_token_cannot_continue_a_stored_response(stored):
     resp = post(stored, ask("Mine.", store=True))
-    r = httpx.post(stored.url + "/lmsp/v1/responses", json=ask("Yours?", previous_response_id=resp["id"]),
+    r = HTTP.post(stored.url + "/lmsp/v1/responses", json=ask("Yours?", previous_response_id=resp["id"]),
                    headers=OTHER, timeout=60)
     assert r.status_code == 404 and r.json()["code"] == "response_not_found"
 
@@ -69,7 +69,7 @@ def test_previous_response_id_continues_the_chain_and_prefills_only_the_new_turn
     # 5 hidden reasoning tokens of each earlier turn that only the live KV holds.
     history = [user("What does the lamp say?"), assistant("OK"), user("Why?"), assistant("OK"), user("And then?")]
     assert third["usage"]["input_tokens"] == len(visible_prompt(scripted_dir, history)) + 2 * 5
-    stored = httpx.get(f"{server.url}/lmsp/v1/responses/{second['id']}").json()
+    stored = HTTP.get(f"{server.url}/lmsp/v1/responses/{second['id']}").json()
     assert stored == second
 
 
@@ -77,25 +77,26 @@ def test_v1_stores_by_default_and_continues_with_previous_response_id(stored):
     first = post(stored, {"model": "tiny", "input": "Count the boats.", "temperature": 0, "max_output_tokens": 6},
                  route="/v1/responses")
     assert first["store"] is True
-    got = httpx.get(f"{stored.url}/v1/responses/{first['id']}", headers=WRITER).json()
+    got = HTTP.get(f"{stored.url}/v1/responses/{first['id']}", headers=WRITER).json()
     assert got["id"] == first["id"] and got["output"] == first["output"] and got["usage"] == first["usage"]
     second = post(stored, {"model": "tiny", "input": "Again.", "temperature": 0, "max_output_tokens": 6,
                            "previous_response_id": first["id"], "store": False}, route="/v1/responses")
     assert second["previous_response_id"] == first["id"]
     assert second["usage"]["input_tokens_details"]["cached_tokens"] >= first["usage"]["input_tokens"]
-    assert httpx.get(f"{stored.url}/v1/responses/{second['id']}", headers=WRITER).status_code == 404
+    assert HTTP.get(f"{stored.url}/v1/responses/{second['id']}", headers=WRITER).status_code == 404
 
 
+@pytest.mark.slow  # waits out a 2 s retention
 def test_stored_responses_past_retention_are_swept(start_server, tiny_model_dir):
     server = start_server("--model", str(tiny_model_dir), "--model-id", "tiny", "--store-retention", "2s")
     resp = post(server, ask("Short-lived.", store=True), headers={})
-    assert httpx.get(f"{server.url}/lmsp/v1/responses/{resp['id']}").status_code == 200
+    assert HTTP.get(f"{server.url}/lmsp/v1/responses/{resp['id']}").status_code == 200
     deadline = time.monotonic() + 30
-    while httpx.get(f"{server.url}/lmsp/v1/responses/{resp['id']}").status_code == 200:
+    while HTTP.get(f"{server.url}/lmsp/v1/responses/{resp['id']}").status_code == 200:
         assert time.monotonic() < deadline, "never swept"
         time.sleep(0.3)
     assert "store sweep: 1 responses" in server.log()
-    r = httpx.post(server.url + "/lmsp/v1/responses", json=ask("Next.", previous_response_id=resp["id"]), timeout=60)
+    r = HTTP.post(server.url + "/lmsp/v1/responses", json=ask("Next.", previous_response_id=resp["id"]), timeout=60)
     assert r.status_code == 404 and r.json()["code"] == "response_not_found"
 
 
@@ -111,6 +112,7 @@ def test_a_stored_conversation_continues_from_its_checkpoint_after_a_restart(sta
     assert cached(nxt) == kv_after(first)  # the hidden reasoning came back from disk too
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stop", ["SIGKILL", "SIGTERM"])
 def test_a_stored_response_running_when_the_server_stops_is_kept(start_server, tiny_model_dir, tmp_path, stop):
     # SIGTERM: it ends cancelled, with what it had said; SIGKILL: nothing runs at the end,
@@ -119,7 +121,7 @@ def test_a_stored_response_running_when_the_server_stops_is_kept(start_server, t
     server = start_server(*args, process=True)
     lines = []
     try:
-        with httpx.stream("POST", server.url + "/lmsp/v1/responses", timeout=120,
+        with HTTP.stream("POST", server.url + "/lmsp/v1/responses", timeout=120,
                           json=ask(max_output_tokens=20000, store=True, stream=True)) as r:
             for line in r.iter_lines():  # the client stays: its leaving would end the run itself
                 lines.append(line)
@@ -130,7 +132,7 @@ def test_a_stored_response_running_when_the_server_stops_is_kept(start_server, t
     server.proc.wait(timeout=60)
     response_id = json.loads(lines[2].removeprefix("data: "))["response_id"]
     again = start_server(*args)
-    got = httpx.get(f"{again.url}/lmsp/v1/responses/{response_id}")
+    got = HTTP.get(f"{again.url}/lmsp/v1/responses/{response_id}")
     assert got.status_code == 200, got.text
     if stop == "SIGKILL":
         assert got.json()["status"] == "failed" and got.json()["error"]["code"] == "internal_error"
@@ -175,11 +177,11 @@ def test_a_store_of_the_first_schema_is_upgraded_and_keeps_its_tasks(start_serve
         db.execute("INSERT INTO task_events VALUES ('task_old', 1, 'response.completed', ?)", (json.dumps(final),))
         db.commit()
     server = start_server("--model", str(tiny_model_dir), "--model-id", "tiny", "--store", str(store))
-    assert httpx.get(server.url + "/lmsp/v1/tasks/task_old").json()["status"] == "completed"
-    r = httpx.get(server.url + "/lmsp/v1/tasks/task_old/events")
+    assert HTTP.get(server.url + "/lmsp/v1/tasks/task_old").json()["status"] == "completed"
+    r = HTTP.get(server.url + "/lmsp/v1/tasks/task_old/events")
     assert r.status_code == 200 and "response.completed" in r.text
     started = post(server, {**ask(max_output_tokens=2), "background": True}, headers={}, route="/v1/responses")
-    with httpx.stream("GET", f"{server.url}/v1/responses/{started['id']}", params={"stream": "true"}) as r:
+    with HTTP.stream("GET", f"{server.url}/v1/responses/{started['id']}", params={"stream": "true"}) as r:
         assert r.status_code == 200 and list(r.iter_lines())[-2] == "data: [DONE]"
     with closing(sqlite3.connect(store)) as db:
         assert db.execute("PRAGMA user_version").fetchone()[0] == 2

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import httpx
 import pytest
-from conftest import ask, read_sse
-from tiny_model import FINISHES
+from tests.helpers import HTTP, ask, read_sse
+from tests.tiny_model import FINISHES
 
 
 @pytest.fixture(scope="module")
@@ -104,6 +104,7 @@ def test_v1_stream_uses_open_responses_framing(client):
     assert final["usage"]["output_tokens"] == 6
 
 
+@pytest.mark.slow  # waits out a 1 s task before its stream answers
 def test_a_stream_waiting_for_the_model_sends_keepalive_comments(start_server, tiny_model_dir):
     # Queued behind a task, the stream has nothing to send for a while: comment lines keep
     # idle timeouts of clients and proxies from cutting it, and clients read past them.
@@ -115,11 +116,11 @@ def test_a_stream_waiting_for_the_model_sends_keepalive_comments(start_server, t
                           "--max-batch", "1")
 
     def hold_the_model() -> None:
-        task = httpx.post(server.url + "/lmsp/v1/tasks", json={"request": ask(max_output_tokens=100000)}).json()
+        task = HTTP.post(server.url + "/lmsp/v1/tasks", json={"request": ask(max_output_tokens=100000)}).json()
         threading.Timer(1.0, httpx.post, (f"{server.url}/lmsp/v1/tasks/{task['id']}/cancel",)).start()
 
     hold_the_model()
-    with httpx.stream("POST", server.url + "/lmsp/v1/responses", json={**ask(max_output_tokens=4), "stream": True},
+    with HTTP.stream("POST", server.url + "/lmsp/v1/responses", json={**ask(max_output_tokens=4), "stream": True},
                       timeout=120) as r:
         lines = list(r.iter_lines())
     assert lines.count(": keep-alive") >= 5

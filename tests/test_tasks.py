@@ -9,7 +9,7 @@ from contextlib import closing
 
 import httpx
 import pytest
-from conftest import ask, read_sse
+from tests.helpers import HTTP, ask, read_sse
 
 FINAL = {"response.completed", "response.incomplete", "response.failed", "response.cancelled"}
 
@@ -20,13 +20,13 @@ def tasks_server(start_module_server, tiny_model_dir):
 
 
 def create(server, body: dict, headers: dict | None = None) -> httpx.Response:
-    return httpx.post(server.url + "/lmsp/v1/tasks", json={"request": body}, headers=headers or {}, timeout=60)
+    return HTTP.post(server.url + "/lmsp/v1/tasks", json={"request": body}, headers=headers or {}, timeout=60)
 
 
 def events(server, task_id: str, headers: dict | None = None, params: dict | None = None, stop_after: int | None = None):
     """The task's events as read_sse records; with `stop_after`, disconnect once that id arrived."""
     lines = []
-    with httpx.stream("GET", f"{server.url}/lmsp/v1/tasks/{task_id}/events", headers=headers or {},
+    with HTTP.stream("GET", f"{server.url}/lmsp/v1/tasks/{task_id}/events", headers=headers or {},
                       params=params, timeout=120) as r:
         assert r.status_code == 200, r.read()
         assert r.headers["content-type"].startswith("text/event-stream")
@@ -40,7 +40,7 @@ def events(server, task_id: str, headers: dict | None = None, params: dict | Non
 
 def wait_ended(server, task_id: str) -> dict:
     deadline = time.monotonic() + 120
-    while (task := httpx.get(f"{server.url}/lmsp/v1/tasks/{task_id}").json())["status"] in ("queued", "in_progress"):
+    while (task := HTTP.get(f"{server.url}/lmsp/v1/tasks/{task_id}").json())["status"] in ("queued", "in_progress"):
         assert time.monotonic() < deadline
         time.sleep(0.1)
     return task
@@ -85,13 +85,13 @@ def test_a_bad_after_is_400(tasks_server):
     url = f"{tasks_server.url}/lmsp/v1/tasks/{task['id']}/events"
     for params, headers, where in (({"after": "two"}, {}, "after"), ({"after": "-1"}, {}, "after"),
                                    ({"after": "9" * 20}, {}, "after"), ({}, {"Last-Event-ID": "9" * 26}, "Last-Event-ID")):
-        r = httpx.get(url, params=params, headers=headers)
+        r = HTTP.get(url, params=params, headers=headers)
         assert r.status_code == 400 and r.json()["param"] == where, r.text
 
 
 def test_cancel_ends_the_stream_with_response_cancelled(tasks_server):
     task = create(tasks_server, ask(max_output_tokens=20000)).json()
-    r = httpx.post(f"{tasks_server.url}/lmsp/v1/tasks/{task['id']}/cancel", timeout=30)
+    r = HTTP.post(f"{tasks_server.url}/lmsp/v1/tasks/{task['id']}/cancel", timeout=30)
     assert r.status_code == 200 and r.json()["id"] == task["id"]
     assert r.json()["status"] == "cancelled"  # the reply says the cancel took effect
     stream = events(tasks_server, task["id"])
@@ -102,34 +102,34 @@ def test_cancel_ends_the_stream_with_response_cancelled(tasks_server):
 def test_a_queued_task_is_cancelled_at_once(serial_server):
     running = create(serial_server, ask(max_output_tokens=20000)).json()
     waiting = create(serial_server, ask(max_output_tokens=20000)).json()
-    assert httpx.get(f"{serial_server.url}/lmsp/v1/tasks/{waiting['id']}").json()["status"] == "queued"
+    assert HTTP.get(f"{serial_server.url}/lmsp/v1/tasks/{waiting['id']}").json()["status"] == "queued"
     started = time.monotonic()
-    r = httpx.post(f"{serial_server.url}/lmsp/v1/tasks/{waiting['id']}/cancel", timeout=30)
+    r = HTTP.post(f"{serial_server.url}/lmsp/v1/tasks/{waiting['id']}/cancel", timeout=30)
     assert r.json()["status"] == "cancelled" and time.monotonic() - started < 2  # not after the running one
     assert events(serial_server, waiting["id"])[-1]["event"] == "response.cancelled"
-    assert httpx.get(f"{serial_server.url}/lmsp/v1/tasks/{running['id']}").json()["status"] == "in_progress"
-    httpx.post(f"{serial_server.url}/lmsp/v1/tasks/{running['id']}/cancel", timeout=30)
+    assert HTTP.get(f"{serial_server.url}/lmsp/v1/tasks/{running['id']}").json()["status"] == "in_progress"
+    HTTP.post(f"{serial_server.url}/lmsp/v1/tasks/{running['id']}/cancel", timeout=30)
     assert "withdrawn from the queue" in serial_server.log()
 
 
 def test_a_stored_tasks_response_is_in_progress_until_it_ends(tasks_server):
     task = create(tasks_server, ask(max_output_tokens=20000, store=True)).json()
     url = f"{tasks_server.url}/lmsp/v1/responses/{task['response_id']}"
-    running = httpx.get(url)
+    running = HTTP.get(url)
     assert running.status_code == 200 and running.json()["status"] == "in_progress", running.text
-    httpx.post(f"{tasks_server.url}/lmsp/v1/tasks/{task['id']}/cancel", timeout=30)
+    HTTP.post(f"{tasks_server.url}/lmsp/v1/tasks/{task['id']}/cancel", timeout=30)
     wait_ended(tasks_server, task["id"])
-    assert httpx.get(url).json()["status"] == "cancelled"
+    assert HTTP.get(url).json()["status"] == "cancelled"
     unstored = create(tasks_server, ask(max_output_tokens=20000)).json()
-    assert httpx.get(f"{tasks_server.url}/lmsp/v1/responses/{unstored['response_id']}").status_code == 404
-    httpx.post(f"{tasks_server.url}/lmsp/v1/tasks/{unstored['id']}/cancel", timeout=30)
+    assert HTTP.get(f"{tasks_server.url}/lmsp/v1/responses/{unstored['response_id']}").status_code == 404
+    HTTP.post(f"{tasks_server.url}/lmsp/v1/tasks/{unstored['id']}/cancel", timeout=30)
 
 
 def test_a_chain_from_a_running_stored_response_waits_for_it(tasks_server):
     # A client that chains right after creating a task: the id is known (GET says
     # in_progress), so the continuation waits for the response to be stored, not 404.
     task = create(tasks_server, ask(max_output_tokens=40, store=True)).json()
-    r = httpx.post(tasks_server.url + "/lmsp/v1/responses", timeout=120,
+    r = HTTP.post(tasks_server.url + "/lmsp/v1/responses", timeout=120,
                    json=ask("And then?", max_output_tokens=2, previous_response_id=task["response_id"]))
     assert r.status_code == 200, r.text
     first = wait_ended(tasks_server, task["id"])["response"]
@@ -139,31 +139,32 @@ def test_a_chain_from_a_running_stored_response_waits_for_it(tasks_server):
 
 def test_unknown_tasks_are_404(tasks_server):
     for method, path in (("GET", ""), ("GET", "/events"), ("POST", "/cancel")):
-        r = httpx.request(method, f"{tasks_server.url}/lmsp/v1/tasks/task_nothing{path}")
+        r = HTTP.request(method, f"{tasks_server.url}/lmsp/v1/tasks/task_nothing{path}")
         assert r.status_code == 404 and r.json()["code"] == "task_not_found"
 
 
 def test_a_bad_task_body_is_400_and_no_task(tasks_server):
-    r = httpx.post(tasks_server.url + "/lmsp/v1/tasks", json=ask())  # not wrapped in {"request": ...}
+    r = HTTP.post(tasks_server.url + "/lmsp/v1/tasks", json=ask())  # not wrapped in {"request": ...}
     assert r.status_code == 400 and r.json()["param"] == "request"
     r = create(tasks_server, ask(temperature="hot"))
     assert r.status_code == 400 and r.json()["code"] == "invalid_request"
 
 
+@pytest.mark.slow  # waits out a 1 s event retention
 def test_events_past_retention_are_410_and_the_result_stays(start_server, tiny_model_dir):
     server = start_server("--model", str(tiny_model_dir), "--model-id", "tiny", "--event-retention", "1s")
     task = create(server, ask(max_output_tokens=3)).json()
-    background = httpx.post(server.url + "/v1/responses", json={**ask(max_output_tokens=3), "background": True}).json()
+    background = HTTP.post(server.url + "/v1/responses", json={**ask(max_output_tokens=3), "background": True}).json()
     assert events(server, task["id"])[-1]["event"] == "response.incomplete"
     deadline = time.monotonic() + 30
-    while (r := httpx.get(f"{server.url}/lmsp/v1/tasks/{task['id']}/events")).status_code == 200:
+    while (r := HTTP.get(f"{server.url}/lmsp/v1/tasks/{task['id']}/events")).status_code == 200:
         assert time.monotonic() < deadline, "events never expired"
         time.sleep(0.2)
     assert r.status_code == 410 and r.json()["code"] == "event_history_expired"
-    assert httpx.get(f"{server.url}/lmsp/v1/tasks/{task['id']}").json()["response"]["usage"]["output_tokens"] == 3
+    assert HTTP.get(f"{server.url}/lmsp/v1/tasks/{task['id']}").json()["response"]["usage"]["output_tokens"] == 3
     # On /v1 the 410 points to what a /v1 client can GET (it never sees the task). The
     # background response may have ended after the task: its events expire a little later.
-    while (r := httpx.get(f"{server.url}/v1/responses/{background['id']}", params={"stream": "true"})).status_code == 200:
+    while (r := HTTP.get(f"{server.url}/v1/responses/{background['id']}", params={"stream": "true"})).status_code == 200:
         assert time.monotonic() < deadline, "the background response's events never expired"
         time.sleep(0.2)
     assert r.status_code == 410 and f"GET /v1/responses/{background['id']}" in r.json()["error"]["message"]
@@ -174,6 +175,7 @@ def stored_events(store: str, task_id: str) -> int:
         return db.execute("SELECT count(*) FROM task_events WHERE task_id = ?", (task_id,)).fetchone()[0]
 
 
+@pytest.mark.slow
 def test_a_task_running_when_the_server_is_killed_is_failed_after_restart(start_server, tiny_model_dir, tmp_path):
     store = str(tmp_path / "store.sqlite3")
     args = ("--model", str(tiny_model_dir), "--model-id", "tiny", "--store", store)
@@ -188,7 +190,7 @@ def test_a_task_running_when_the_server_is_killed_is_failed_after_restart(start_
 
     def follow():
         try:
-            with httpx.stream("GET", f"{server.url}/lmsp/v1/tasks/{task['id']}/events", timeout=60) as r:
+            with HTTP.stream("GET", f"{server.url}/lmsp/v1/tasks/{task['id']}/events", timeout=60) as r:
                 for line in r.iter_lines():
                     if line.startswith("id: "):
                         sent.append(int(line[4:]))
@@ -204,7 +206,7 @@ def test_a_task_running_when_the_server_is_killed_is_failed_after_restart(start_
     server.proc.wait()
     follower.join()
     again = start_server(*args)
-    ended = httpx.get(f"{again.url}/lmsp/v1/tasks/{task['id']}").json()
+    ended = HTTP.get(f"{again.url}/lmsp/v1/tasks/{task['id']}").json()
     assert ended["status"] == "failed"
     assert ended["response"]["error"]["code"] == "internal_error" and "restarted" in ended["response"]["error"]["detail"]
     stored = events(again, task["id"])
@@ -213,7 +215,7 @@ def test_a_task_running_when_the_server_is_killed_is_failed_after_restart(start_
     text = "".join(e["data"]["delta"] for e in stored if e["event"] == "response.output_text.delta")
     assert text and ended["response"]["output"][0]["content"] == [{"type": "output_text", "text": text}]
     # It was stored: its response is there, failed, for a client that polls it rather than the task.
-    assert httpx.get(f"{again.url}/lmsp/v1/responses/{task['response_id']}").json() == ended["response"]
+    assert HTTP.get(f"{again.url}/lmsp/v1/responses/{task['response_id']}").json() == ended["response"]
     ids = [int(e["id"]) for e in stored]
     assert ids[:-1] == list(range(1, len(ids))) and stored[-1]["event"] == "response.failed"
     # The last batch a follower was sent may not have reached the store: the final event is
@@ -222,13 +224,14 @@ def test_a_task_running_when_the_server_is_killed_is_failed_after_restart(start_
     assert resumed[-1]["event"] == "response.failed" and all(int(e["id"]) > sent[-1] for e in resumed)
 
 
+@pytest.mark.slow
 def test_a_v1_background_stream_running_when_the_server_is_killed_ends_failed_after_restart(
         start_server, tiny_model_dir, tmp_path):
     store = str(tmp_path / "store.sqlite3")
     args = ("--model", str(tiny_model_dir), "--model-id", "tiny", "--store", store)
     server = start_server(*args, process=True)
     lines = []
-    with httpx.stream("POST", server.url + "/v1/responses", timeout=120,
+    with HTTP.stream("POST", server.url + "/v1/responses", timeout=120,
                       json={**ask(max_output_tokens=20000), "background": True, "stream": True}) as r:
         for line in r.iter_lines():
             lines.append(line)
@@ -245,9 +248,9 @@ def test_a_v1_background_stream_running_when_the_server_is_killed_ends_failed_af
     server.proc.kill()
     server.proc.wait()
     again = start_server(*args)
-    polled = httpx.get(f"{again.url}/v1/responses/{response_id}").json()
+    polled = HTTP.get(f"{again.url}/v1/responses/{response_id}").json()
     assert polled["status"] == "failed" and polled["error"]["code"] == "internal_error" and polled["background"]
-    with httpx.stream("GET", f"{again.url}/v1/responses/{response_id}", params={"stream": "true"}) as r:
+    with HTTP.stream("GET", f"{again.url}/v1/responses/{response_id}", params={"stream": "true"}) as r:
         replayed = [e["data"] for e in read_sse(list(r.iter_lines())) if isinstance(e.get("data"), dict)]
     assert replayed[:6] == seen
     numbers = [e["sequence_number"] for e in replayed]
@@ -257,16 +260,17 @@ def test_a_v1_background_stream_running_when_the_server_is_killed_ends_failed_af
     assert text and polled["output"][0]["content"][0]["text"] == text
 
 
+@pytest.mark.slow
 def test_a_v1_background_response_killed_while_queued_still_streams_from_its_start(start_server, tiny_model_dir,
                                                                                   tmp_path):
     store = str(tmp_path / "store.sqlite3")
     args = ("--model", str(tiny_model_dir), "--model-id", "tiny", "--store", store, "--max-batch", "1")
     server = start_server(*args, process=True)
     endless = {**ask(max_output_tokens=20000), "background": True}
-    httpx.post(server.url + "/v1/responses", json=endless, timeout=60)
-    waiting = httpx.post(server.url + "/v1/responses", json=endless, timeout=60).json()
+    HTTP.post(server.url + "/v1/responses", json=endless, timeout=60)
+    waiting = HTTP.post(server.url + "/v1/responses", json=endless, timeout=60).json()
     assert waiting["status"] == "queued"
-    with httpx.stream("GET", f"{server.url}/v1/responses/{waiting['id']}", params={"stream": "true"}) as r:
+    with HTTP.stream("GET", f"{server.url}/v1/responses/{waiting['id']}", params={"stream": "true"}) as r:
         lines = []
         for line in r.iter_lines():  # its stream so far: created, and nothing more while it waits
             lines.append(line)
@@ -278,7 +282,7 @@ def test_a_v1_background_response_killed_while_queued_still_streams_from_its_sta
     server.proc.kill()
     server.proc.wait()
     again = start_server(*args)
-    with httpx.stream("GET", f"{again.url}/v1/responses/{waiting['id']}", params={"stream": "true"}) as r:
+    with HTTP.stream("GET", f"{again.url}/v1/responses/{waiting['id']}", params={"stream": "true"}) as r:
         replayed = [e["data"] for e in read_sse(list(r.iter_lines())) if isinstance(e.get("data"), dict)]
     assert [e["type"] for e in replayed] == ["response.created", "response.failed"]  # as the SDK needs it
     assert replayed[0] == created
@@ -291,7 +295,7 @@ def test_a_task_running_at_a_normal_shutdown_ends_cancelled(start_server, tiny_m
     events(server, task["id"], stop_after=3)  # it is generating
     server.stop()  # SIGTERM
     again = start_server(*args)
-    assert httpx.get(f"{again.url}/lmsp/v1/tasks/{task['id']}").json()["status"] == "cancelled"
+    assert HTTP.get(f"{again.url}/lmsp/v1/tasks/{task['id']}").json()["status"] == "cancelled"
     assert events(again, task["id"])[-1]["event"] == "response.cancelled"
     assert "running when the service stopped" not in again.log()  # it ended properly, nothing to recover
 

@@ -7,9 +7,9 @@ setting it reads, so a request's counted input tokens show which settings it got
 
 from __future__ import annotations
 
-import httpx
 import pytest
-from tiny_model import build_scripted_model
+from tests.tiny_model import build_scripted_model
+from tests.helpers import HTTP
 
 # enable_thinking false: two more tokens; `extra`: three more.
 TEMPLATE = (
@@ -34,13 +34,13 @@ def server(start_module_server, templated_dir):
 
 
 def counted(server, **fields) -> int:
-    r = httpx.post(server.url + "/v1/responses/input_tokens", json={"model": server.model, "input": ASK, **fields})
+    r = HTTP.post(server.url + "/v1/responses/input_tokens", json={"model": server.model, "input": ASK, **fields})
     assert r.status_code == 200, r.text
     return r.json()["input_tokens"]
 
 
 def chat_prompt_tokens(server, **fields) -> int:
-    r = httpx.post(server.url + "/v1/chat/completions", timeout=60,
+    r = HTTP.post(server.url + "/v1/chat/completions", timeout=60,
                    json={"model": server.model, "messages": ASK, "max_tokens": 1, **fields})
     assert r.status_code == 200, r.text
     return r.json()["usage"]["prompt_tokens"]
@@ -68,7 +68,7 @@ def test_chat_takes_chat_template_kwargs_and_reasoning_effort(server):
 
 
 def test_the_listing_says_the_model_reasons(server):
-    model = httpx.get(f"{server.url}/lmsp/v1/models/{server.model}").json()
+    model = HTTP.get(f"{server.url}/lmsp/v1/models/{server.model}").json()
     assert model["reasoning"] is True and "reasoning" in model["capabilities"]
 
 
@@ -87,7 +87,7 @@ def test_an_unloaded_model_is_listed_as_reasoning_as_it_will_load(templated_dir,
     ("/v1/responses", {"input": ASK, "chat_template_kwargs": {"add_generation_prompt": False}}),
 ])
 def test_kwargs_that_are_not_an_object_are_a_400_naming_them(server, route, body):
-    r = httpx.post(server.url + route, json={"model": server.model, **body})
+    r = HTTP.post(server.url + route, json={"model": server.model, **body})
     assert r.status_code == 400 and r.json()["error"]["param"] == "chat_template_kwargs", r.text
 
 
@@ -106,25 +106,25 @@ def test_server_args_apply_to_every_request_and_a_request_overrides_them(start_s
     assert counted(other) == base + 1
 
 
-@pytest.mark.parametrize("flags, needle", [
+@pytest.mark.parametrize("argv, needle", [
     (["--chat-template-args", '{"tools": 5}'], "tools is set by the server's rendering itself"),
     (["--chat-template-args", "{bad"], "not JSON"),
     (["--chat-template", "/nowhere/template.jinja"], "cannot read /nowhere/template.jinja"),
 ])
-def test_bad_template_flags_are_one_line(flags, needle, capsys):
-    from lmsp_mlx import serve
+def test_bad_template_flags_are_one_line(argv, needle, capsys):
+    from lmsp_mlx import flags
 
     with pytest.raises(SystemExit) as exit:
-        serve.parse_args(flags)
+        flags.parse(argv)
     err = capsys.readouterr().err
     assert exit.value.code == 2 and needle in err and err.count("\n") == 1, err  # no usage dump before it
 
 
 def test_a_template_that_cannot_render_stops_the_start(templated_dir, tmp_path):
-    from lmsp_mlx import serve
+    from lmsp_mlx import flags, serve
 
     (tmp_path / "broken.jinja").write_text("{% for message in messages %}{{ message['content'] }")
-    args = serve.parse_args(["--model", str(templated_dir), "--chat-template", str(tmp_path / "broken.jinja"),
+    args = flags.parse(["--model", str(templated_dir), "--chat-template", str(tmp_path / "broken.jinja"),
                              "--no-kv-disk", "--store", str(tmp_path / "s.sqlite3"),
                              "--state-key-file", str(tmp_path / "key")])
     with pytest.raises(serve.StartError, match="chat template of .* cannot render a conversation: TemplateSyntaxError"):

@@ -8,15 +8,12 @@ every turn, whatever it is told: the tests are about the protocol and the KV, no
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 
 import httpx
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))
-from conftest import source_of  # noqa: E402
-from tiny_model import CALLS, TOOL_SCRIPT, build_scripted_model  # noqa: E402
+from tests.helpers import HTTP, source_of
+from tests.tiny_model import CALLS, build_scripted_model
 
 # strict: false: the scripted model samples each whole call as one artificial token, which
 # spans the call marker and the JSON body; llguidance cannot follow a token across that
@@ -30,11 +27,6 @@ TOOLS = [
 QUESTION = {"role": "user", "content": "Weather and time in Paris?"}
 
 
-@pytest.fixture(scope="session")
-def caller_dir(tmp_path_factory) -> Path:
-    return build_scripted_model(tmp_path_factory.mktemp("models") / "caller", script=TOOL_SCRIPT, words=CALLS)
-
-
 @pytest.fixture
 def caller(start_server, caller_dir):
     return start_server("--model", str(caller_dir), "--model-id", "tiny")
@@ -42,7 +34,7 @@ def caller(start_server, caller_dir):
 
 def post(server, body: dict, route: str = "/lmsp/v1/responses") -> httpx.Response:
     """The request, its cache source recorded on `server.sources` (conftest.source_of)."""
-    return source_of(server, lambda: httpx.post(server.url + route, timeout=120, json={
+    return source_of(server, lambda: HTTP.post(server.url + route, timeout=120, json={
         "model": "tiny", "temperature": 0, "max_output_tokens": 40, **body}))
 
 
@@ -132,7 +124,7 @@ def test_exact_replay_renders_the_sampled_call_text(caller, caller_dir):
 
 
 def test_streamed_calls_follow_section_6_5(caller):
-    with httpx.stream("POST", caller.url + "/lmsp/v1/responses", timeout=120, json={
+    with HTTP.stream("POST", caller.url + "/lmsp/v1/responses", timeout=120, json={
         "model": "tiny", "input": [QUESTION], "tools": TOOLS, "stream": True, "temperature": 0,
     }) as r:
         events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: ")]
@@ -204,7 +196,7 @@ def test_another_tokens_call_ids_are_unknown_to_it(start_server, caller_dir, tmp
     server = start_server("--model", str(caller_dir), "--model-id", "tiny", "--tokens", str(tokens))
 
     def as_(who: str, body: dict) -> httpx.Response:
-        return httpx.post(server.url + "/lmsp/v1/responses", headers={"Authorization": f"Bearer {who}"}, timeout=120,
+        return HTTP.post(server.url + "/lmsp/v1/responses", headers={"Authorization": f"Bearer {who}"}, timeout=120,
                           json={"model": "tiny", "temperature": 0, "max_output_tokens": 40, "tools": TOOLS, **body})
 
     first = as_("alice", {"input": [QUESTION]}).json()
@@ -245,7 +237,7 @@ def test_tool_types_and_choices(caller):
 
 
 def test_the_model_listing_advertises_tools_and_reasoning(caller):
-    caps = httpx.get(caller.url + "/lmsp/v1/models/tiny").json()["capabilities"]
+    caps = HTTP.get(caller.url + "/lmsp/v1/models/tiny").json()["capabilities"]
     assert "tools" in caps and "reasoning" in caps
 
 
@@ -338,7 +330,7 @@ def test_a_codex_request_is_accepted_streaming_and_not(caller):
     assert [o["type"] for o in r.json()["output"]] == ["reasoning", "message"]
     assert "get_weather" in r.json()["output"][1]["content"][0]["text"]
     assert "malformed tool call kept as text" in caller.log()
-    with httpx.stream("POST", caller.url + "/v1/responses", json={**CODEX_BODY, "stream": True}, timeout=120) as s:
+    with HTTP.stream("POST", caller.url + "/v1/responses", json={**CODEX_BODY, "stream": True}, timeout=120) as s:
         lines = [line for line in s.iter_lines() if line.startswith("data: ")]
     assert lines[-1] == "data: [DONE]"
     assert json.loads(lines[-2][6:])["type"] == "response.completed"

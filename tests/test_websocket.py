@@ -6,7 +6,7 @@ import json
 
 import openai
 import pytest
-from conftest import ask
+from tests.helpers import ask
 
 websockets = pytest.importorskip("websockets", reason="the SDK's WebSocket mode needs the websockets package")
 

@@ -141,10 +141,13 @@ def _error_handlers(app: Quart, state: ServerState) -> None:
     async def on_http_error(exc: HTTPException):
         code = _HTTP_CODES.get(exc.code or 500, "invalid_request" if (exc.code or 500) < 500 else "internal_error")
         detail = exc.description or exc.name
-        if exc.code == 413:
-            detail = f"the request body exceeds {state.settings.server.max_body_bytes} bytes"
         # Keep what the HTTP error itself must say (e.g. `Allow` on a 405).
         headers = {k: v for k, v in exc.get_headers() if k.lower() != "content-type"}
+        if exc.code == 413:
+            detail = f"the request body exceeds {state.settings.server.max_body_bytes} bytes"
+            # The body was never read, so the connection closes after this reply: say so, or a
+            # pooling client may send its next request down it and lose that one.
+            headers["Connection"] = "close"
         problem = Problem(code, detail, headers=headers)
         problem.status = exc.code or problem.status
         return problem_response(problem)
