@@ -1,15 +1,17 @@
 """An agent loop with hidden reasoning: lmsp-mlx against mlx_lm.server, one run.
 
-    python benchmarks/agent_loop.py [--turns 10] [--reasoning 32] [--visible 256] [--tool 12] [--loops 2]
-    python benchmarks/agent_loop.py --suffix-turns
+    python -m benchmarks.agent_loop [--turns 10] [--reasoning 32] [--visible 256] [--tool 12] [--loops 2]
+                                    [--restore-tokens 4000] [--out DIR] [--append]
+    python -m benchmarks.agent_loop --suffix-turns [--out DIR] [--append]
 
 The workload is what agent clients send: a system prompt with tool descriptions, then
 turns of (the model's reply: hidden reasoning, then a long visible tool call) and (a short
 tool result), the whole visible history replayed every turn, the reasoning dropped by the
 chat template (like Qwen3's and DeepSeek's). To make the replies long, identical on both
-servers and reasoning-shaped, the model is synthetic: SmolLM2-135M's exact shapes (so
-every matmul costs what it costs in the real model) with weights that make greedy decoding
-follow a fixed script: `<think>`, `--reasoning` words, `</think>`, `--visible` words.
+servers and reasoning-shaped, the model is synthetic (benchmarks/scripted_model.py):
+SmolLM2-135M's exact shapes (so every matmul costs what it costs in the real model) with
+weights that make greedy decoding follow a fixed script: `<think>`, `--reasoning` words,
+`</think>`, `--visible` words.
 
 Both servers get the same CPU math: mlx_lm.server is started through a wrapper that routes
 MLX's matmuls to OpenBLAS and installs lmsp-mlx's fused prefill kernels and compiled
@@ -24,58 +26,29 @@ step (benchmarks/results/suffix_turns.csv; target at most 1.5x).
 Reports per turn: time to first token (streamed, from the client's side) and prefilled
 tokens (prompt minus cached, from each server's usage). Then, in-process on the real
 default model: restoring a `--restore-tokens` checkpoint from disk against prefilling it.
-Writes benchmarks/results/agent_loop.csv and .png and prints Markdown tables.
+Writes benchmarks/results/agent_loop.csv (with the run's provenance columns; `--append`
+adds to its history) and .png and prints Markdown tables.
 """
 
 from __future__ import annotations
 
 import argparse
-import csv
-import json
-import socket
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from lmsp_mlx.cpu_blas import accelerate  # noqa: E402
+from lmsp_mlx.cpu_blas import accelerate
 
 accelerate()  # first: MLX binds its BLAS as mlx.core loads (lmsp_mlx/cpu_blas/__init__.py)
-from lmsp_mlx.engine.model_store import DEFAULT_MODEL, default_models_dir, ensure_packaged_model  # noqa: E402
-
-REASONING_TEMPLATE = (
-    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
-    "{% if message['role'] == 'assistant' %}{{ message['content'].split('</think>')[-1].lstrip('\n') }}"
-    "{% else %}{{ message['content'] }}{% endif %}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+from benchmarks.common import (  # noqa: E402
+    Provenance, ServerKind, output_arguments, own_state, server_command, serving, sse_events, write_rows,
 )
-
-# Started as `python -c WRAPPER ARGS`: mlx_lm.server with the same CPU math as lmsp-mlx.
-MLX_LM_WRAPPER = """
-import sys
-from lmsp_mlx.cpu_blas import accelerate
-accelerate()  # routes MLX's float32 matmuls to OpenBLAS before mlx.core loads
-import mlx_lm.server as server
-from lmsp_mlx.engine import cpu_decode, cpu_math, cpu_prefill
-
-original = server.load
-def load(*args, **kwargs):
-    result = original(*args, **kwargs)
-    cpu_math.install(result[0])  # the fused prefill kernels lmsp-mlx uses on the CPU
-    cpu_prefill.install(result[0])  # its compiled prefill
-    cpu_decode.install(result[0])  # and its compiled decode step
-    return result
-server.load = load
-sys.argv = ["mlx_lm.server", *sys.argv[1:]]
-server.main()
-"""
+from benchmarks.scripted_model import build_model  # noqa: E402
+from lmsp_mlx.engine.model_store import DEFAULT_MODEL, default_models_dir, ensure_packaged_model  # noqa: E402
 
 SYSTEM = (
     "You are a coding agent. Tools: read_file(path), write_file(path, content), run(cmd), "
@@ -83,104 +56,17 @@ SYSTEM = (
 ) * 12
 
 
-def word_tokens(vocab: dict[str, int], count: int, skip: set[int]) -> list[int]:
-    """`count` distinct tokens that are whole lowercase words with a leading space."""
-    words = sorted(i for t, i in vocab.items() if t.startswith("Ġ") and t[1:].isalpha() and t[1:].islower()
-                   and len(t) > 3 and i not in skip)
-    if len(words) < count:
-        raise SystemExit(f"the vocabulary has only {len(words)} word tokens")
-    step = len(words) // count
-    return words[::step][:count]
-
-
-def build_model(out: Path, source: Path, reasoning: int, visible: int, call: str | None = None,
-                context: int | None = None) -> list[int]:
-    """Write the synthetic model; returns its scripted reply as token ids. `call`: the reply
-    ends with this text (a tool call), one added token; `context`: its context length
-    (the synthetic weights run at any length)."""
-    import mlx.core as mx
-    from mlx.utils import tree_flatten
-    from mlx_lm.models import llama
-    from tokenizers import AddedToken, Tokenizer
-
-    marker = out / "bench.json"
-    spec = {"source": str(source), "reasoning": reasoning, "visible": visible, "call": call, "context": context,
-            "version": 1}
-    tok = Tokenizer.from_file(str(source / "tokenizer.json"))
-    vocab = tok.get_vocab()
-    if marker.exists() and json.loads(marker.read_text()).get("spec") == spec:
-        return json.loads(marker.read_text())["script"]
-    out.mkdir(parents=True, exist_ok=True)
-    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in ("<think>", "</think>")])
-    if call:
-        tok.add_tokens([AddedToken(call, special=False, normalized=False)])
-    tok.save(str(out / "tokenizer.json"))
-    vocab = tok.get_vocab()
-    tok_config = json.loads((source / "tokenizer_config.json").read_text())
-    tok_config["chat_template"] = REASONING_TEMPLATE
-    tok_config.pop("added_tokens_decoder", None)
-    (out / "tokenizer_config.json").write_text(json.dumps(tok_config))
-    config = json.loads((source / "config.json").read_text())
-    config.pop("quantization", None)
-    config.pop("quantization_config", None)
-    config.update(vocab_size=len(vocab), tie_word_embeddings=False, torch_dtype="float32")
-    if context:
-        config["max_position_embeddings"] = context
-    (out / "config.json").write_text(json.dumps(config))
-
-    newline, eos = vocab["Ċ"], vocab["<|im_end|>"]
-    specials = {newline, eos, vocab["<think>"], vocab["</think>"]}
-    words = word_tokens(vocab, reasoning + visible, specials)
-    script = [newline, vocab["<think>"], *words[:reasoning], vocab["</think>"], *words[reasoning:],
-              *([vocab[call]] if call else []), eos]
-    mx.random.seed(0)
-    model = llama.Model(llama.ModelArgs.from_dict(config))
-    emb = mx.random.normal(model.model.embed_tokens.weight.shape)
-    emb[:, 0] = 3.0  # a constant feature: the end-of-turn baseline
-    model.model.embed_tokens.weight = emb
-    for layer in model.model.layers:  # same matmuls, no effect on the residual stream
-        layer.self_attn.o_proj.weight = mx.zeros_like(layer.self_attn.o_proj.weight)
-        layer.mlp.down_proj.weight = mx.zeros_like(layer.mlp.down_proj.weight)
-    head = mx.zeros(model.lm_head.weight.shape)
-    head[eos, 0] = 1.0
-    for a, b in zip(script, script[1:]):
-        e = emb[a] * (mx.arange(emb.shape[1]) > 0)
-        head[b] += 4.0 * e / mx.sqrt((e * e).sum())
-    model.lm_head.weight = head
-    mx.save_safetensors(str(out / "model.safetensors"), dict(tree_flatten(model.parameters())))
-    reply = script[1:-1]
-    marker.write_text(json.dumps({"spec": spec, "script": reply}))
-    return reply
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start(cmd: list[str], url: str, log: Path) -> subprocess.Popen:
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=open(log, "w"), stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + 600
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"{cmd[2]} exited:\n{log.read_text()[-2000:]}")
-        try:
-            httpx.get(url + "/v1/models", timeout=2)
-            return proc
-        except httpx.HTTPError:
-            time.sleep(0.3)
-    raise SystemExit(f"{cmd} not ready")
+# One streamed turn: (time to first token, visible text, prompt tokens, cached tokens).
+Stream = Callable[[httpx.Client, list[dict], int], tuple[float, str, int, int]]
 
 
 def stream_lmsp(client: httpx.Client, messages: list[dict], max_tokens: int) -> tuple[float, str, int, int]:
     body = {"model": "bench", "input": messages, "temperature": 0, "max_output_tokens": max_tokens, "stream": True}
     began, first, text, usage = time.perf_counter(), None, [], {}
     with client.stream("POST", "/v1/responses", json=body) as r:
-        for line in r.iter_lines():
-            if not line.startswith("data: {"):
+        for _, event in sse_events(r.iter_lines()):
+            if not isinstance(event, dict):
                 continue
-            event = json.loads(line[6:])
             if event["type"] in ("response.output_text.delta", "response.reasoning_summary_text.delta"):
                 first = first or time.perf_counter()  # the first token, reasoning or text
             if event["type"] == "response.output_text.delta":
@@ -195,10 +81,9 @@ def stream_mlx_lm(client: httpx.Client, messages: list[dict], max_tokens: int) -
             "stream": True, "stream_options": {"include_usage": True}}
     began, first, text, usage = time.perf_counter(), None, [], {}
     with client.stream("POST", "/v1/chat/completions", json=body) as r:
-        for line in r.iter_lines():
-            if not line.startswith("data: {"):
+        for _, chunk in sse_events(r.iter_lines()):
+            if not isinstance(chunk, dict):
                 continue
-            chunk = json.loads(line[6:])
             for choice in chunk.get("choices", []):
                 delta = choice.get("delta", {})
                 if delta.get("content") or delta.get("reasoning"):
@@ -323,17 +208,14 @@ def main() -> None:
     p.add_argument("--tool", type=int, default=12, help="words per tool result")
     p.add_argument("--restore-tokens", type=int, default=4000)
     p.add_argument("--loops", type=int, default=2, help="agent loops against each server at once")
-    p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
+    output_arguments(p)
     p.add_argument("--suffix-turns", action="store_true",
                    help="only the in-process per-turn measurement (suffixes of 1-256 tokens on an 1,800-token session)")
     args = p.parse_args()
-    args.out.mkdir(parents=True, exist_ok=True)
+    provenance = Provenance.gather()
     if args.suffix_turns:
         rows = suffix_turns(1800, [1, 4, 8, 14, 16, 24, 32, 51, 64, 128, 256])
-        with open(args.out / "suffix_turns.csv", "w", newline="") as f:
-            w = csv.DictWriter(f, fieldnames=list(rows[0]))
-            w.writeheader()
-            w.writerows(rows)
+        write_rows("suffix_turns", rows, provenance, out=args.out, append=args.append)
         worst = max(rows, key=lambda r: r["ratio"])
         print(f"worst ratio {worst['ratio']:.2f} at {worst['suffix_tokens']} tokens (target at most 1.5)")
         return
@@ -344,27 +226,18 @@ def main() -> None:
     max_tokens = len(reply) + 8
     logs = Path(tempfile.mkdtemp(prefix="agent-loop-"))
     rows = []
-    for name, cmd, fn in (
-        ("lmsp-mlx", [sys.executable, "-m", "lmsp_mlx.serve", "--model", str(model_dir), "--model-id", "bench",
-                      "--kv-disk-dir", str(logs / "kv"), "--store", str(logs / "store.sqlite3"),
-                      "--state-key-file", str(logs / "state.key")], stream_lmsp),
-        ("mlx_lm.server", [sys.executable, "-c", MLX_LM_WRAPPER, "--model", str(model_dir)], stream_mlx_lm),
-    ):
-        port = free_port()
-        proc = start([*cmd, "--port", str(port)], f"http://127.0.0.1:{port}", logs / f"{name}.log")
-        try:
-            rows += run_loops(name, fn, f"http://127.0.0.1:{port}", args.loops, args.turns, max_tokens, args.tool)
-        finally:
-            proc.terminate()
-            proc.wait(timeout=60)
+    servers: tuple[tuple[ServerKind, list[str], Stream], ...] = (
+        ("lmsp-mlx", ["--model-id", "bench", *own_state(logs, kv_disk=True)], stream_lmsp),
+        ("mlx_lm.server", [], stream_mlx_lm),
+    )
+    for name, flags, fn in servers:
+        with serving(server_command(name, "--model", model_dir, *flags), logs / f"{name}.log") as server:
+            rows += run_loops(name, fn, server.url, args.loops, args.turns, max_tokens, args.tool)
     print(f"server logs: {logs}", flush=True)
     prefill_s, restore_s = restore_vs_prefill(args.restore_tokens)
 
-    with open(args.out / "agent_loop.csv", "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(rows[0]))
-        w.writeheader()
-        w.writerows(rows)
-        f.write(f"# restore {args.restore_tokens} tokens: prefill {prefill_s:.3f}s, restore {restore_s:.3f}s\n")
+    write_rows("agent_loop", rows, provenance, out=args.out, append=args.append,
+               notes=[f"restore {args.restore_tokens} tokens: prefill {prefill_s:.3f}s, restore {restore_s:.3f}s"])
     plot(rows, args.out / "agent_loop.png")
 
     by = {(r["server"], r["turn"]): r for r in rows if r["loop"] == 0}  # the table: the first loop

@@ -1,7 +1,7 @@
 """Batched decode steps with the kernels against the same batch without them, one run.
 
-    python benchmarks/batched_decode.py [--model PATH] [--batches 1,4,8] [--positions 4096,16384]
-                                        [--repeats 3]
+    python -m benchmarks.batched_decode [--model PATH] [--batches 1,4,8] [--positions 4096,16384]
+                                        [--moe-positions 512] [--repeats 3] [--out DIR] [--append]
 
 Dense: the model (default: the embedded SmolLM2-135M, float32) with a 4-bit KV cache
 (`--kv-bits 4`, group 64). B sequences hold random K/V for about N positions each (row i
@@ -25,28 +25,25 @@ expert_swiglu (experts.c on the CPU build), "no kernel" mlx-lm's gather_qmm Swit
 
 Every repeat runs each path back to back on the same caches, so drifts in the machine's
 load hit all alike; figures are the best repeat, in decoded tokens per second over the
-batch (B tokens a step). Writes benchmarks/results/batched_decode.csv.
+batch (B tokens a step). Writes benchmarks/results/batched_decode.csv (with the run's
+provenance columns; `--append` adds to its history).
 """
 
 from __future__ import annotations
 
 import argparse
-import csv
 import os
-import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from lmsp_mlx.cpu_blas import accelerate  # noqa: E402
+from lmsp_mlx.cpu_blas import accelerate
 
 accelerate()  # first: MLX binds its BLAS as mlx.core loads (lmsp_mlx/cpu_blas/__init__.py)
 import mlx.core as mx  # noqa: E402
 import mlx.nn as nn  # noqa: E402
 from mlx_lm.models.cache import BatchKVCache, KVCache, QuantizedKVCache  # noqa: E402
 
+from benchmarks.common import Provenance, output_arguments, write_rows  # noqa: E402
 from lmsp_mlx import kernels  # noqa: E402
 from lmsp_mlx.cache.batch import BatchQuantizedKVCache  # noqa: E402
 from lmsp_mlx.engine.loader import load_model  # noqa: E402
@@ -144,8 +141,9 @@ def main() -> None:
     p.add_argument("--positions", default="4096,16384")
     p.add_argument("--moe-positions", type=int, default=512)
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
+    output_arguments(p)
     args = p.parse_args()
+    provenance = Provenance.gather()
     batches = [int(x) for x in args.batches.split(",") if x]
     rows: list[dict] = []
 
@@ -187,11 +185,8 @@ def main() -> None:
               + "; ".join(f"{k} {v:.1f} tok/s" for k, v in best.items()), flush=True)
     os.environ["LMSP_KERNELS"] = "auto"
 
-    args.out.mkdir(parents=True, exist_ok=True)
-    with open(args.out / "batched_decode.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=["model", "kv", "positions", "batch", "path", "tok_s"])
-        writer.writeheader()
-        writer.writerows(rows)
+    write_rows("batched_decode", rows, provenance, out=args.out, append=args.append,
+               fields=["model", "kv", "positions", "batch", "path", "tok_s"])
     print(f"\nMLX {mx.__version__}, {lm.backend}, best of {args.repeats}, tok/s over the batch")
     for name, paths, ratio in ((lm.id, DENSE, ("merged, kernel", "merged, no kernel")),
                                ("qwen3_moe", tuple(PATHS), ("kernel", "no kernel"))):

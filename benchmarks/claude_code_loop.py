@@ -1,41 +1,44 @@
 """A Claude Code-shaped loop on /v1/messages: the billing line left out, against it rendered.
 
-    python benchmarks/claude_code_loop.py [--turns 10] [--system-tokens 15000] [--tool 60]
+    python -m benchmarks.claude_code_loop [--turns 10] [--system-tokens 15000] [--tool 60] [--out DIR] [--append]
 
 What Claude Code sends every turn: a long system prompt and tool list (here ~15k tokens of
 generated text and five tools), `x-anthropic-billing-header: cc_version=...; cch=<nonce>;`
 first in `system` with a new nonce each turn, `thinking: {"type": "adaptive", "display":
 "omitted"}`, and the whole history, thinking blocks (with their signatures) included. The
-model is agent_loop.py's synthetic one, SmolLM2-135M's shapes with weights that make greedy
-decoding reason a few words and then call a tool, every turn; its context is raised to
-32k (the weights run at any length), as Claude Code needs.
+model is the agent loop's synthetic one (benchmarks/scripted_model.py), SmolLM2-135M's
+shapes with weights that make greedy decoding reason a few words and then call a tool,
+every turn; its context is raised to 32k (the weights run at any length), as Claude Code
+needs.
 
 The same loop runs against two servers, one after the other: this one as it is, and with
 `--keep-billing-header`, which renders the line as the peers do (mlx_lm.server has no
 /v1/messages; LM Studio and Ollama render the system prompt whole). Reports per turn the
 prefilled tokens (input_tokens: Anthropic's count without the cached part) and the time to
 first token (the first content block, from the client's side). Writes
-benchmarks/results/claude_code_loop.csv and prints a Markdown table.
+benchmarks/results/claude_code_loop.csv (with the run's provenance columns; `--append` adds
+to its history) and prints a Markdown table.
 """
 
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import random
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import httpx
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from lmsp_mlx.cpu_blas import accelerate
 
-from benchmarks.agent_loop import build_model, free_port, start  # noqa: E402
+accelerate()  # first: MLX binds its BLAS as mlx.core loads (lmsp_mlx/cpu_blas/__init__.py)
+from benchmarks.common import (  # noqa: E402
+    Provenance, output_arguments, own_state, server_command, serving, sse_events, write_rows,
+)
+from benchmarks.scripted_model import build_model  # noqa: E402
 from lmsp_mlx.engine.model_store import DEFAULT_MODEL, default_models_dir, ensure_packaged_model  # noqa: E402
 
 CALL = '<tool_call>\n{"name": "Bash", "arguments": {"command": "pytest -q", "description": "Run the tests"}}\n</tool_call>'
@@ -67,14 +70,7 @@ def turn(client: httpx.Client, body: dict) -> tuple[float, dict, dict]:
     began, first, blocks, usage = time.perf_counter(), None, [], {}
     with client.stream("POST", "/v1/messages", json={**body, "stream": True}) as r:
         r.raise_for_status()
-        name = ""
-        for line in r.iter_lines():
-            if line.startswith("event: "):
-                name = line[7:]
-                continue
-            if not line.startswith("data: "):
-                continue
-            data = json.loads(line[6:])
+        for name, data in sse_events(r.iter_lines()):
             if name == "content_block_start":
                 first = first or time.perf_counter()
                 blocks.append(data["content_block"])
@@ -133,9 +129,9 @@ def main() -> None:
     p.add_argument("--turns", type=int, default=10)
     p.add_argument("--system-tokens", type=int, default=15000, help="about this many tokens of system prompt and tools")
     p.add_argument("--tool", type=int, default=60, help="words per tool result (times 1-4, by turn)")
-    p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
+    output_arguments(p)
     args = p.parse_args()
-    args.out.mkdir(parents=True, exist_ok=True)
+    provenance = Provenance.gather()
 
     source = ensure_packaged_model(DEFAULT_MODEL, default_models_dir())
     model_dir = default_models_dir() / "claude-code-loop-bench"
@@ -145,23 +141,13 @@ def main() -> None:
     system_words = int(args.system_tokens / 1.1 * 2 / 3)
     rows = []
     for name, extra in (("lmsp-mlx", []), ("--keep-billing-header", ["--keep-billing-header"])):
-        port = free_port()
-        cmd = [sys.executable, "-m", "lmsp_mlx.serve", "--model", str(model_dir), "--model-id", "bench",
-               "--model-alias", "claude-*=bench", "--kv-disk-dir", str(logs / name / "kv"),
-               "--store", str(logs / f"{name}.sqlite3"), "--state-key-file", str(logs / "state.key"),
-               "--port", str(port), *extra]
         (logs / name).mkdir()
-        proc = start(cmd, f"http://127.0.0.1:{port}", logs / f"{name}.log")
-        try:
-            rows += run_loop(name, f"http://127.0.0.1:{port}", args.turns, system_words, args.tool)
-        finally:
-            proc.terminate()
-            proc.wait(timeout=60)
+        cmd = server_command("lmsp-mlx", "--model", model_dir, "--model-id", "bench", "--model-alias", "claude-*=bench",
+                             *own_state(logs / name, kv_disk=True), *extra)
+        with serving(cmd, logs / f"{name}.log") as server:
+            rows += run_loop(name, server.url, args.turns, system_words, args.tool)
     print(f"server logs: {logs}", flush=True)
-    with open(args.out / "claude_code_loop.csv", "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(rows[0]))
-        w.writeheader()
-        w.writerows(rows)
+    write_rows("claude_code_loop", rows, provenance, out=args.out, append=args.append)
 
     by = {(r["server"], r["turn"]): r for r in rows}
     print("\n| turn | prompt tokens | prefilled | prefilled, billing line rendered | TTFT (s) | "

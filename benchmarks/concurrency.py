@@ -1,7 +1,7 @@
 """Concurrent streaming chat clients: lmsp-mlx against mlx_lm.server, one run.
 
-    python benchmarks/concurrency.py [--widths 1,2,4,8,16] [--max-tokens 128] [--requests 32]
-                                     [--max-prompt 2000] [--eos-bias -100] [--out DIR]
+    python -m benchmarks.concurrency [--widths 1,2,4,8,16] [--max-tokens 128] [--requests 32]
+                                     [--max-prompt 2000] [--eos-bias -100] [--timeout 600] [--out DIR]
                                      [--servers lmsp-mlx,mlx_lm.server] [--append]
 
 For each width W, each server is started on its own (never both at once) with room for W
@@ -20,29 +20,30 @@ where a stream reports none), so a short reply shows in the counts.
 
 Both servers run the same float32 weights (the default model dequantized once into a temp
 directory: MLX's quantized CPU matmul would slow mlx_lm.server down) and the same CPU
-math: mlx_lm.server is started through agent_loop.py's wrapper, which routes MLX's matmuls
-to OpenBLAS and installs lmsp-mlx's fused prefill and compiled decode step into its model.
+math: mlx_lm.server is started through benchmarks/common.py's wrapper, which routes MLX's
+matmuls to OpenBLAS and installs lmsp-mlx's fused prefill and compiled decode step into its
+model.
 
 Reports per server and width: aggregate output tok/s (all replies' output tokens / the
 wall time from the first request sent to the last stream done) and the client-side time
 to first token (request sent to first content delta), p50 and p95, and p95 over the
-prompts of at most 500 tokens. Writes benchmarks/results/concurrency.csv and .png and
-prints a Markdown table with lmsp-mlx's aggregate over mlx_lm.server's at each width, and
-lmsp-mlx's at width 8 over its own at width 1.
+prompts of at most 500 tokens. Writes benchmarks/results/concurrency.csv (a row as each
+server and width is done, with the run's provenance columns) and .png and prints a
+Markdown table with lmsp-mlx's aggregate over mlx_lm.server's at each width, and
+lmsp-mlx's at width 8 over its own at width 1. With `--append` the rows add to the CSV's
+history, and the table and plot take each server and width's latest row, so a width
+measured in a later run joins the earlier ones.
 """
 
 from __future__ import annotations
 
 import argparse
-import csv
 import gc
 import json
 import math
 import os
 import random
 import shutil
-import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -50,16 +51,19 @@ from concurrent.futures import ThreadPoolExecutor, wait
 from pathlib import Path
 
 import httpx
-import numpy as np
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from lmsp_mlx.cpu_blas import accelerate
 
-from agent_loop import MLX_LM_WRAPPER, free_port, start, word_tokens  # noqa: E402
-from plots import save, tokens_axes  # noqa: E402
+accelerate()  # first: MLX binds its BLAS as mlx.core loads (lmsp_mlx/cpu_blas/__init__.py)
+from benchmarks.common import (  # noqa: E402
+    Provenance, ServerKind, appendable, output_arguments, own_state, percentile, read_rows, server_command, serving,
+    sse_events, write_rows,
+)
+from benchmarks.plots import save, tokens_axes  # noqa: E402
+from benchmarks.scripted_model import word_tokens  # noqa: E402
 from lmsp_mlx.engine.model_store import DEFAULT_MODEL, default_models_dir, ensure_packaged_model  # noqa: E402
 
-SERVERS = ("lmsp-mlx", "mlx_lm.server")
+SERVERS: tuple[ServerKind, ...] = ("lmsp-mlx", "mlx_lm.server")
 # Prompt lengths in tokens, cycled over the requests: six short (<= 500) and four long.
 LENGTHS = (50, 1500, 100, 700, 200, 2000, 300, 1000, 400, 500)
 SHORT = 500  # prompts up to this many tokens make ttft_p95_short_s
@@ -131,6 +135,10 @@ def build_prompts(tokenizer, lengths: list[int], count: int, width: int) -> list
 def stream_chat(client: httpx.Client, body: dict, deadline: float, stop: threading.Event) -> dict:
     """One streamed chat completion: when it was sent and done, time to first content,
     output tokens (usage, else content deltas), prompt tokens, and the error if any."""
+    def in_time() -> None:
+        if time.perf_counter() > deadline or stop.is_set():
+            raise TimeoutError("the request ran past its deadline")
+
     sent = time.perf_counter()
     first, deltas, usage, error = None, 0, None, None
     try:
@@ -138,12 +146,9 @@ def stream_chat(client: httpx.Client, body: dict, deadline: float, stop: threadi
             if r.status_code != 200:
                 r.read()
                 raise RuntimeError(f"HTTP {r.status_code}: {r.text[:300]}")
-            for line in r.iter_lines():
-                if time.perf_counter() > deadline or stop.is_set():
-                    raise TimeoutError("the request ran past its deadline")
-                if not line.startswith("data: {"):
+            for _, chunk in sse_events(r.iter_lines(), in_time):
+                if not isinstance(chunk, dict):
                     continue
-                chunk = json.loads(line[6:])
                 if "error" in chunk:
                     raise RuntimeError(f"stream error: {chunk['error']}")
                 for choice in chunk.get("choices") or []:
@@ -199,7 +204,11 @@ def summarize(name: str, width: int, results: list[dict], max_tokens: int) -> di
     ttft = [r["ttft_s"] for r in results if r["ttft_s"] is not None and not r["error"]]
     short = [r["ttft_s"] for r in results if r["ttft_s"] is not None and not r["error"] and r["target"] <= SHORT]
     prompt_tokens = [r["prompt_tokens"] for r in results if r["prompt_tokens"]]
-    pct = lambda xs, q: float(np.percentile(xs, q)) if xs else float("nan")  # noqa: E731
+
+    def pct(xs: list[float], q: float) -> float:
+        found = percentile(xs, q / 100)
+        return float("nan") if found is None else found
+
     return {"server": name, "width": width, "clients": width, "output_tokens": tokens, "wall_s": wall,
             "aggregate_tok_s": tokens / wall if wall > 0 else float("nan"),
             "ttft_p50_s": pct(ttft, 50), "ttft_p95_s": pct(ttft, 95), "ttft_p95_short_s": pct(short, 95),
@@ -208,23 +217,13 @@ def summarize(name: str, width: int, results: list[dict], max_tokens: int) -> di
             "mean_prompt_tokens": sum(prompt_tokens) / len(prompt_tokens) if prompt_tokens else float("nan")}
 
 
-def command(name: str, model_dir: Path, width: int, folder: Path) -> tuple[list[str], str]:
+def command(name: ServerKind, model_dir: Path, width: int, folder: Path) -> tuple[list[str], str]:
     """The server's command line at `width` (the port appended later) and its model id."""
     if name == "lmsp-mlx":
-        return [sys.executable, "-m", "lmsp_mlx.serve", "--model", str(model_dir), "--model-id", "bench",
-                "--no-kv-disk", "--store", str(folder / "store.sqlite3"), "--state-key-file",
-                str(folder / "state.key"), "--max-batch", str(width)], "bench"
-    return [sys.executable, "-c", MLX_LM_WRAPPER, "--model", str(model_dir), "--decode-concurrency", str(width),
-            "--prompt-concurrency", str(width)], "default_model"
-
-
-def stop_server(proc: subprocess.Popen) -> None:
-    proc.terminate()
-    try:
-        proc.wait(timeout=60)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait(timeout=30)
+        return server_command(name, "--model", model_dir, "--model-id", "bench", *own_state(folder, kv_disk=False),
+                              "--max-batch", width), "bench"
+    return server_command(name, "--model", model_dir, "--decode-concurrency", width,
+                          "--prompt-concurrency", width), "default_model"
 
 
 def main() -> None:
@@ -237,18 +236,22 @@ def main() -> None:
                    help="logit_bias on the end-of-turn tokens, for full-length replies (0: none)")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds one request may take")
     p.add_argument("--servers", default=",".join(SERVERS), help="which of them to run")
-    p.add_argument("--append", action="store_true",
-                   help="keep the CSV's rows of the other servers and widths (a width added in a later run)")
-    p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
+    output_arguments(p, append_help="add this run's rows to the CSV's history; the table and plot take each server "
+                                    "and width's latest row (a width added in a later run)")
     args = p.parse_args()
+    provenance = Provenance.gather()
     widths = [int(w) for w in args.widths.split(",")]
     servers = [name for name in SERVERS if name in args.servers.split(",")]
     lengths = [n for n in LENGTHS if n <= args.max_prompt] or [args.max_prompt]
 
+    # Asked first: a header mismatch found after an hour of measuring would cost the hour.
+    append = args.append and appendable("concurrency", FIELDS, args.out)
+    earlier = read_rows(args.out / "concurrency.csv") if append else []
+
     folder = Path(tempfile.mkdtemp(prefix="concurrency-"))
     model_dir, eos, tokenizer = float32_model(folder / "model-f32")
     bias = {str(i): args.eos_bias for i in sorted(eos)} if args.eos_bias else {}
-    rows, kept = [], earlier_rows(args.out / "concurrency.csv") if args.append else []
+    rows = []
     try:
         for width in widths:
             prompts = build_prompts(tokenizer, lengths, max(args.requests, width), width)
@@ -256,22 +259,18 @@ def main() -> None:
                 run_dir = folder / f"{name}-w{width}"
                 run_dir.mkdir()
                 cmd, model = command(name, model_dir, width, run_dir)
-                port = free_port()
-                url = f"http://127.0.0.1:{port}"
                 if (load := os.getloadavg()[0]) > 0.5:  # on 2 cores another busy process skews both servers
                     print(f"warning: load average {load:.2f} before {name} at width {width}", flush=True)
-                proc = start([*cmd, "--port", str(port)], url, run_dir / "server.log")
-                try:
+                with serving(cmd, run_dir / "server.log") as server:
                     warm = [(50, [{"role": "user", "content": f"Warm-up {name} {width}: say hello."}])]
-                    if (error := measure(url, model, warm, 1, 8, {}, args.timeout)[0]["error"]):
+                    if (error := measure(server.url, model, warm, 1, 8, {}, args.timeout)[0]["error"]):
                         raise SystemExit(f"{name} failed its warm-up request: {error}")
-                    row = summarize(name, width, measure(url, model, prompts, width, args.max_tokens, bias,
+                    row = summarize(name, width, measure(server.url, model, prompts, width, args.max_tokens, bias,
                                                          args.timeout), args.max_tokens)
-                finally:
-                    stop_server(proc)
                 rows.append(row)
-                kept = [r for r in kept if (r["server"], r["width"]) != (name, width)]
-                write_csv(kept + rows, args.out / "concurrency.csv")  # after each, so a cut-short run leaves its rows
+                # After each, so a cut-short run leaves its rows: the first replaces the file unless --append.
+                write_rows("concurrency", [rounded(row)], provenance, out=args.out, append=append, fields=FIELDS)
+                append = True
                 print(f"{name:>14} width {width:2d}: {row['output_tokens']:5d}/{row['requests'] * args.max_tokens} "
                       f"tokens in {row['wall_s']:7.2f}s = {row['aggregate_tok_s']:7.1f} tok/s, "
                       f"TTFT p50 {row['ttft_p50_s']:.3f}s p95 {row['ttft_p95_s']:.3f}s, "
@@ -280,7 +279,8 @@ def main() -> None:
         print(f"server logs and the float32 model: {folder}", flush=True)
     if not rows:
         raise SystemExit("nothing measured")
-    rows = sorted(kept + rows, key=lambda r: (r["width"], SERVERS.index(r["server"])))
+    latest = {(r["server"], r["width"]): r for r in earlier + rows}  # a later row stands for its server and width
+    rows = sorted(latest.values(), key=lambda r: (r["width"], SERVERS.index(r["server"])))
     widths = sorted({r["width"] for r in rows})
     plot(rows, widths, args.out / "concurrency.png")
 
@@ -306,21 +306,9 @@ def main() -> None:
               f"{by[('lmsp-mlx', top)]['aggregate_tok_s'] / by[('lmsp-mlx', 1)]['aggregate_tok_s']:.3f}")
 
 
-def earlier_rows(path: Path) -> list[dict]:
-    """The rows of an earlier run's CSV, numbers as numbers."""
-    if not path.exists():
-        return []
-    with open(path, newline="") as f:
-        return [{k: v if k == "server" else int(v) if v.lstrip("-").isdigit() else float(v) for k, v in r.items()}
-                for r in csv.DictReader(f)]  # float() reads the nan of a width that measured nothing
-
-
-def write_csv(rows: list[dict], path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(FIELDS))
-        w.writeheader()
-        w.writerows({k: round(v, 4) if isinstance(v, float) else v for k, v in r.items()} for r in rows)
+def rounded(row: dict) -> dict:
+    """The row as the CSV keeps it: 4 decimals."""
+    return {k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()}
 
 
 def plot(rows: list[dict], widths: list[int], path: Path) -> None:

@@ -1,6 +1,6 @@
 """The CPU backend against the machine's limits, measured in one run.
 
-    python benchmarks/cpu_bounds.py [--model PATH] [--prompt 512] [--decode 64]
+    python -m benchmarks.cpu_bounds [--model PATH] [--prompt 512] [--decode 64] [--repeats 5] [--out DIR] [--append]
 
 1. float32 GEMM GFLOP/s: MLX (through lmsp-mlx's BLAS routing) against numpy's sgemm,
    in back-to-back pairs (median ratio).
@@ -16,29 +16,29 @@
    (all weights used as matmuls, output head included, plus the KV cache); the ratio is
    the median of the pairs.
 
-Writes benchmarks/results/cpu_bounds.csv and prints a Markdown table.
+Writes benchmarks/results/cpu_bounds.csv (with the run's provenance columns; `--append`
+adds to its history) and prints a Markdown table.
 """
 
 from __future__ import annotations
 
 import argparse
-import csv
-import sys
 import threading
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from lmsp_mlx import cpu_blas  # noqa: E402
+from lmsp_mlx import cpu_blas
 
 cpu_blas.accelerate()  # first: MLX binds its BLAS as mlx.core loads
 import mlx.core as mx  # noqa: E402
 import numpy as np  # noqa: E402
 
+from benchmarks.common import Provenance, output_arguments, write_rows  # noqa: E402
 from lmsp_mlx.engine.loader import load_model  # noqa: E402
 from lmsp_mlx.engine.model_store import DEFAULT_MODEL, default_models_dir, ensure_packaged_model  # noqa: E402
+
+
+FIELDS = ("what", "case", "unit", "measured", "reference", "ratio", "target")  # of a row, in this order
 
 
 def best_time(fn, repeats: int = 5) -> float:
@@ -127,8 +127,9 @@ def main() -> None:
     p.add_argument("--prompt", type=int, default=512, help="prompt tokens for the prefill measurement")
     p.add_argument("--decode", type=int, default=64)
     p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
+    output_arguments(p)
     args = p.parse_args()
+    provenance = Provenance.gather()
 
     print(f"BLAS: {cpu_blas.status()}", flush=True)
     rows = []
@@ -165,11 +166,7 @@ def main() -> None:
     rows.append(("prefill", f"{lm.id} {args.prompt} tokens", "tok/s", prefill, prefill_bound, prefill_ratio, 0.5))
     rows.append(("decode", f"{lm.id} after {args.prompt} tokens", "tok/s", decode, decode_bound, decode_ratio, 0.6))
 
-    args.out.mkdir(parents=True, exist_ok=True)
-    with open(args.out / "cpu_bounds.csv", "w", newline="") as f:
-        w = csv.writer(f)
-        w.writerow(["what", "case", "unit", "measured", "reference", "ratio", "target"])
-        w.writerows(rows)
+    write_rows("cpu_bounds", [dict(zip(FIELDS, row)) for row in rows], provenance, out=args.out, append=args.append)
     print(f"\nsgemm {sgemm_rate / 1e9:.1f} GFLOP/s (median), read bandwidth {bandwidth / 1e9:.1f} GB/s, "
           f"{params / 1e6:.1f}M matmul parameters\n")
     print("| what | case | measured | reference | ratio | target |")

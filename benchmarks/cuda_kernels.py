@@ -1,6 +1,6 @@
 """The CUDA twins' own GPU time, outside MLX: CUDA events around graph replays.
 
-    python benchmarks/cuda_kernels.py [--arch sm_90] [--build-only DIR] [--out benchmarks/results]
+    python -m benchmarks.cuda_kernels [--arch sm_90] [--build-only DIR] [--out benchmarks/results] [--append]
 
 benchmarks/kernels.py times a kernel the way a model calls it through MLX, and on the H200
 every launch shape came out near the same 60-75 µs: MLX's cost per operation (Python,
@@ -17,13 +17,12 @@ the launch floor (a graph of empty kernels: the least two launches can take).
 Shapes are benchmarks/kernels.py's (Qwen3-30B-A3B decode; 32/4 heads of 128). Each
 launch shape of kernel_sweep.py's best is timed too. Needs nvcc and an NVIDIA GPU;
 --build-only compiles without running (the test suite does that where nvcc exists).
-Writes cuda_kernels.csv.
+Writes cuda_kernels.csv (with the run's provenance columns; `--append` adds to its history).
 """
 
 from __future__ import annotations
 
 import argparse
-import csv
 import os
 import subprocess
 import sys
@@ -31,12 +30,10 @@ import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from lmsp_mlx.kernels.attention import float_bits  # noqa: E402
-from lmsp_mlx.kernels.cuda_source import STAND_IN, extras, kernel  # noqa: E402
-from lmsp_mlx.kernels.sources import body as section_body, sections  # noqa: E402
+from benchmarks.common import Provenance, output_arguments, write_rows
+from lmsp_mlx.kernels.attention import float_bits
+from lmsp_mlx.kernels.cuda_source import STAND_IN, extras, kernel
+from lmsp_mlx.kernels.sources import body as section_body, sections
 
 HIDDEN, EXPERT_HIDDEN, EXPERTS, TOP_K = 2048, 768, 128, 8
 KV_HEADS, ROWS_PER_KV, HEAD_DIM, GROUP = 4, 8, 128, 64  # 32 query heads over 4 KV heads
@@ -421,8 +418,9 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--arch", default="sm_90", help="nvcc -arch (sm_90: H100/H200)")
     p.add_argument("--build-only", type=Path, metavar="DIR", help="compile into DIR and stop")
-    p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
+    output_arguments(p)
     args = p.parse_args()
+    provenance = Provenance.gather()
     if args.build_only:
         for name, exe in build(args.build_only, args.arch).items():
             print(name, exe)
@@ -439,11 +437,7 @@ def main() -> None:
         r["of_bound"] = r["us"] / r["bound_us"]
         r["bandwidth_gbs"] = bandwidth
         r["launch_floor_us"] = floor
-    args.out.mkdir(parents=True, exist_ok=True)
-    with open(args.out / "cuda_kernels.csv", "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(table[0]))
-        w.writeheader()
-        w.writerows(table)
+    write_rows("cuda_kernels", table, provenance, out=args.out, append=args.append)
     print(f"\nread bandwidth {bandwidth:.0f} GB/s; two empty launches in a graph {floor:.2f} us\n")
     print("| kernel | launch shape | context | bits | µs | bound µs | of bound | rel. error |")
     print("|---|---|---:|---:|---:|---:|---:|---:|")

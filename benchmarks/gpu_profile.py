@@ -1,20 +1,21 @@
 """Each path's GPU kernels inside MLX, timed by Nsight Compute (ncu): where a call's time goes.
 
-    python benchmarks/gpu_profile.py [--chain 8] [--out benchmarks/results]
+    python -m benchmarks.gpu_profile [--chain 8] [--out benchmarks/results] [--append]
 
 benchmarks/kernels.py's wall-clock time per call includes MLX's cost per operation (the
 Python that builds the graph, the graph node, its update and launch); on the H200 every
-launch shape of ours came out near the same 60-75 µs. This runs the same chains (ours and
-mlx-lm's built-in path, same inputs) once under ncu and reads each kernel's GPU duration
-and the bytes it read from device memory, with caches flushed before each kernel (ncu's
-default) as they would be in a model that reads its other layers in between. So per call:
-which kernels ran, their GPU time, and the DRAM bytes they read; kernels.py's wall time
-minus this GPU time is MLX's overhead.
+launch shape of ours came out near the same 60-75 µs. This runs the same chains
+(benchmarks/kernel_chains.py: ours and mlx-lm's built-in path, same inputs) once under ncu
+and reads each kernel's GPU duration and the bytes it read from device memory, with caches
+flushed before each kernel (ncu's default) as they would be in a model that reads its other
+layers in between. So per call: which kernels ran, their GPU time, and the DRAM bytes they
+read; kernels.py's wall time minus this GPU time is MLX's overhead.
 
 The parent runs itself under `ncu --profile-from-start off --clock-control none` (the card's
 clocks as found); the child warms every chain (compiles kernels), then profiles them in one
 range, a tiny marker kernel before each chain so the kernels can be told apart. Needs
-MLX's CUDA backend and ncu with access to the GPU's counters. Writes gpu_profile.csv.
+MLX's CUDA backend and ncu with access to the GPU's counters. Writes gpu_profile.csv (with
+the run's provenance columns; `--append` adds to its history).
 """
 
 from __future__ import annotations
@@ -28,10 +29,8 @@ import shutil
 import subprocess
 import sys
 from collections import defaultdict
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from benchmarks.common import ROOT, Provenance, output_arguments, write_rows
 
 CASES = [("expert", 0, 4), ("expert", 0, 2), ("attention", 16384, 4), ("attention", 16384, 8)]
 METRICS = ("gpu__time_duration.sum", "dram__bytes_read.sum")
@@ -43,7 +42,7 @@ def label(kind: str, context: int, bits: int, path: str) -> str:
 
 
 def child(chain: int) -> None:
-    from benchmarks.kernels import attention_chains, expert_chains
+    from benchmarks.kernel_chains import attention_chains, expert_chains
     import mlx.core as mx
 
     runs = []
@@ -97,18 +96,19 @@ def short(name: str) -> str:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--chain", type=int, default=8)
-    p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
+    output_arguments(p)
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.child:
         child(args.chain)
         return
+    provenance = Provenance.gather()
     ncu = shutil.which("ncu")
     if ncu is None:
         sys.exit("no ncu on PATH (Nsight Compute): nothing to profile with")
     done = subprocess.run([ncu, "--profile-from-start", "off", "--clock-control", "none", "--csv",
-                           "--metrics", ",".join(METRICS), sys.executable, __file__, "--child", "--chain", str(args.chain)],
-                          capture_output=True, text=True)
+                           "--metrics", ",".join(METRICS), sys.executable, "-m", "benchmarks.gpu_profile", "--child",
+                           "--chain", str(args.chain)], cwd=ROOT, capture_output=True, text=True)
     launches = parse(done.stdout)
     if done.returncode != 0 or not launches:
         print(done.stdout[-3000:], done.stderr[-3000:])
@@ -133,11 +133,7 @@ def main() -> None:
                      "dram_mb_per_call": nbytes / 1e6, "gbs": nbytes / us * 1e-3 if us else 0.0,
                      "kernels": "; ".join(f"{k} x{len(v) / args.chain:g} {sum(v) / len(v):.1f}us"
                                           for k, v in per_kernel.items())})
-    args.out.mkdir(parents=True, exist_ok=True)
-    with open(args.out / "gpu_profile.csv", "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(rows[0]))
-        w.writeheader()
-        w.writerows(rows)
+    write_rows("gpu_profile", rows, provenance, out=args.out, append=args.append)
     print("| case | kernels a call | GPU µs a call | DRAM MB a call | GB/s | kernels (count a call, mean µs) |")
     print("|---|---:|---:|---:|---:|---|")
     for r in rows:

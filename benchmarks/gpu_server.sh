@@ -8,7 +8,7 @@ port=18765
 model=models/SmolLM2-135M-Instruct
 if [ ! -f "$model/config.json" ]; then  # not carried: a tiny quantized MoE model, built here
     model=/tmp/tiny-moe
-    python3 -c "import sys; sys.path.insert(0, 'tests'); from pathlib import Path; from tiny_model import build_tiny_moe_model; build_tiny_moe_model(Path('$model'), 'qwen3_moe')"
+    python3 -c "from pathlib import Path; from tests.tiny_model import build_tiny_moe_model; build_tiny_moe_model(Path('$model'), 'qwen3_moe')"
 fi
 LMSP_KERNELS=auto python3 -m lmsp_mlx.serve --model "$model" --model-id m --kv-bits 4 --kv-group-size 32 --port $port \
     --no-kv-disk --store /tmp/store.sqlite3 --state-key-file /tmp/state.key >/tmp/server.log 2>&1 &

@@ -1,33 +1,30 @@
 """The kernels' launch shapes, swept on a GPU: which WARPS / BATCH / CHUNK, WARPS / ROWS and SLICE to keep.
 
-    python benchmarks/kernel_sweep.py [--chain 16] [--out benchmarks/results]
+    python -m benchmarks.kernel_sweep [--chain 16] [--out benchmarks/results] [--append]
 
 The kernels' constants (kernels/attention.py, kernels/experts.py) were chosen by reasoning,
 with no GPU to time them on. One run of this on a GPU times each candidate on the
 benchmark's decode shapes (16K positions of 4-bit KV, 32/4 heads of 128; one token's top 8
 of 128 4-bit experts of 2048/768), each as a chain of calls in one evaluation on inputs
-spread past the GPU's cache (as benchmarks/kernels.py does), and checks each candidate's
-output against the reference, so a candidate that is fast but wrong shows as wrong.
+spread past the GPU's cache (benchmarks/kernel_chains.py's, as benchmarks/kernels.py times
+them), and checks each candidate's output against the reference, so a candidate that is
+fast but wrong shows as wrong.
 Under CUDA both kernels are also timed in their other launch form: the experts' two
 launches against the fused one, and attention's body then merge against its one launch.
-Writes kernel_sweep.csv. The CPU build has no kernels: there it says so and stops.
+Writes kernel_sweep.csv (with the run's provenance columns; `--append` adds to its history).
+The CPU build has no kernels: there it says so and stops.
 """
 
 from __future__ import annotations
 
 import argparse
-import csv
-import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from benchmarks.kernels import (  # noqa: E402  (first: it sets up MLX's CPU BLAS)
+from benchmarks.kernel_chains import (  # first: it sets up MLX's CPU BLAS
     EXPERT_HIDDEN, EXPERTS, GROUP, HEAD_DIM, HIDDEN, KV_HEADS, Q_HEADS, SPREAD, TOP_K, best, nbytes, read_bandwidth,
 )
 import mlx.core as mx  # noqa: E402
 
+from benchmarks.common import Provenance, output_arguments, write_rows  # noqa: E402
 from lmsp_mlx import kernels  # noqa: E402
 from lmsp_mlx.kernels import attention, experts, reference  # noqa: E402
 from lmsp_mlx.kernels.dispatch import close  # noqa: E402
@@ -125,19 +122,17 @@ def sweep_experts(chain: int, bandwidth: float) -> list[dict]:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--chain", type=int, default=16)
-    p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
+    output_arguments(p)
     args = p.parse_args()
+    provenance = Provenance.gather()
     if kernels.backend() is None:
         print("this MLX build has neither Metal nor CUDA: no GPU kernels to sweep")
         return
     bandwidth = read_bandwidth()
     print(f"{kernels.backend()}: read bandwidth {bandwidth / 1e9:.0f} GB/s, {args.chain} calls per timing", flush=True)
     rows = sweep_attention(args.chain, bandwidth) + sweep_experts(args.chain, bandwidth)
-    args.out.mkdir(parents=True, exist_ok=True)
-    with open(args.out / "kernel_sweep.csv", "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=["kernel", "config", "us", "of_bound", "agrees"])
-        w.writeheader()
-        w.writerows(rows)
+    write_rows("kernel_sweep", rows, provenance, out=args.out, append=args.append,
+               fields=["kernel", "config", "us", "of_bound", "agrees"])
 
 
 if __name__ == "__main__":

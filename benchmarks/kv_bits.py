@@ -1,7 +1,7 @@
 """A --kv-bits cache on the CPU build: the compiled passes against MLX's op-by-op path, one run.
 
-    python benchmarks/kv_bits.py [--model PATH] [--bits 4] [--positions 512,4096,16384]
-                                 [--prompts 512,2048] [--repeats 3]
+    python -m benchmarks.kv_bits [--model PATH] [--bits 4] [--positions 512,4096,16384]
+                                 [--prompts 512,2048] [--repeats 3] [--out DIR] [--append]
 
 Decode: one-token steps against a cache already holding N positions (random K/V, the same
 for every path; 8 steps a run, then the cache is cut back), through
@@ -15,32 +15,30 @@ forward.c over a quantized cache, MLX's graph over one, and forward.c over a flo
 The paths are switched inside one process (the compiled passes check LMSP_KERNELS; "op by
 op" hides the quantized cache from them), and each repeat runs every path back to back,
 so drifts in the machine's load hit all alike. Figures are the best of the repeats.
-Writes benchmarks/results/kv_bits.csv and kv_bits.png (with matplotlib).
+Writes benchmarks/results/kv_bits.csv (with the run's provenance columns; `--append` adds to
+its history) and kv_bits.png (with matplotlib).
 """
 
 from __future__ import annotations
 
 import argparse
-import csv
 import os
 import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from lmsp_mlx.cpu_blas import accelerate  # noqa: E402
+from lmsp_mlx.cpu_blas import accelerate
 
 accelerate()  # first: MLX binds its BLAS as mlx.core loads (lmsp_mlx/cpu_blas/__init__.py)
 import mlx.core as mx  # noqa: E402
 import numpy as np  # noqa: E402
 from mlx_lm.models.cache import KVCache, QuantizedKVCache  # noqa: E402
 
+from benchmarks.common import Provenance, output_arguments, write_rows  # noqa: E402
+from benchmarks.plots import save, tokens_axes  # noqa: E402
 from lmsp_mlx.engine import cpu_decode  # noqa: E402
 from lmsp_mlx.engine.loader import load_model  # noqa: E402
 from lmsp_mlx.engine.model_store import DEFAULT_MODEL, default_models_dir, ensure_packaged_model  # noqa: E402
-from plots import save, tokens_axes  # noqa: E402
 
 STEPS, CHUNK, GROUP = 8, 256, 64
 # path -> (what the compiled passes see of a quantized cache, LMSP_KERNELS, quantized cache?)
@@ -120,8 +118,9 @@ def main() -> None:
     p.add_argument("--positions", default="512,4096,16384", help="cache lengths for decode, comma-separated")
     p.add_argument("--prompts", default="512,2048", help="prompt lengths for prefill, comma-separated")
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
+    output_arguments(p)
     args = p.parse_args()
+    provenance = Provenance.gather()
 
     lm = load_model(args.model or ensure_packaged_model(DEFAULT_MODEL, default_models_dir()))
     model, rows = lm.model, []
@@ -149,11 +148,8 @@ def main() -> None:
         rows += [{"phase": "prefill", "tokens": n, "path": path, "tok_s": round(r, 1)} for path, r in best.items()]
         print(f"prefill, {n} tokens: " + "; ".join(f"{k} {v:.0f} tok/s" for k, v in best.items()), flush=True)
 
-    args.out.mkdir(parents=True, exist_ok=True)
-    with open(args.out / "kv_bits.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=["phase", "tokens", "path", "tok_s"])
-        writer.writeheader()
-        writer.writerows(rows)
+    write_rows("kv_bits", rows, provenance, out=args.out, append=args.append,
+               fields=["phase", "tokens", "path", "tok_s"])
     title = f"{lm.id}, {args.bits}-bit KV (group {GROUP}) on {lm.backend}, best of {args.repeats}"
     try:
         plot(rows, title, args.out / "kv_bits.png")

@@ -11,12 +11,12 @@
 #   run(command="bash benchmarks/on_gpu.sh run bench server suite", carry=[".whl/b"], timeout_s=560)
 # `run` installs MLX into /tmp/site, then runs the steps named after it, in that order
 # (default: tests bench sweep); results land in $OUT:
-#   cuda     benchmarks/cuda_kernels.py: the CUDA twins' own GPU time, outside MLX
-#   profile  benchmarks/gpu_profile.py: ours and MLX's kernels inside MLX, under ncu
+#   cuda     python -m benchmarks.cuda_kernels: the CUDA twins' own GPU time, outside MLX
+#   profile  python -m benchmarks.gpu_profile: ours and MLX's kernels inside MLX, under ncu
 #   tests    tests/test_kernels.py with LMSP_KERNELS=kernel, less the per-configuration
 #            kernel-against-reference cases (NVRTC compiles each); `alltests` includes them
-#   bench    benchmarks/kernels.py (1/8/32-token experts, batched attention at 8 and 32
-#            sequences x 16K, 64K and 128K positions);  sweep  benchmarks/kernel_sweep.py
+#   bench    python -m benchmarks.kernels (1/8/32-token experts, batched attention at 8 and 32
+#            sequences x 16K, 64K and 128K positions);  sweep  python -m benchmarks.kernel_sweep
 #   server   python -m lmsp_mlx.serve on a quantized model (the default one where carried in
 #            models/, else a tiny qwen3_moe built there), --kv-bits 4, kernels in auto mode:
 #            LMSP, /v1/responses and Chat answer, 4 concurrent completions decode in one
@@ -74,15 +74,15 @@ run)
     for step in "$@"; do
         echo "== $step $(date +%T)"
         case $step in
-        cuda) timeout 150 python3 benchmarks/cuda_kernels.py --out "$OUT" 2>&1 | tee "$OUT/cuda.txt" | tail -20 ;;
-        profile) timeout 180 python3 benchmarks/gpu_profile.py --out "$OUT" 2>&1 | tee "$OUT/profile.txt" | tail -12 ;;
+        cuda) timeout 150 python3 -m benchmarks.cuda_kernels --out "$OUT" 2>&1 | tee "$OUT/cuda.txt" | tail -20 ;;
+        profile) timeout 180 python3 -m benchmarks.gpu_profile --out "$OUT" 2>&1 | tee "$OUT/profile.txt" | tail -12 ;;
         tests|alltests)
             only=$([ "$step" = tests ] && echo "and not kernel_matches_its_reference")
             MLX_ENABLE_TF32=0 LMSP_KERNELS=kernel timeout 240 python3 -m pytest -q -p no:cacheprovider \
                 tests/test_kernels.py -k "not source and not cuda_twins and not timing_programs $only" 2>&1 | tee "$OUT/tests.txt" | tail -40 ;;
-        bench) timeout 150 python3 benchmarks/kernels.py --repeats 20 --out "$OUT" 2>&1 | tee "$OUT/bench.txt" | tail -22 ;;
+        bench) timeout 150 python3 -m benchmarks.kernels --repeats 20 --out "$OUT" 2>&1 | tee "$OUT/bench.txt" | tail -22 ;;
         # the launch shapes the constants in kernels/ should take on this GPU
-        sweep) timeout 100 python3 benchmarks/kernel_sweep.py --out "$OUT" 2>&1 | tee "$OUT/sweep.txt" | tail -30 ;;
+        sweep) timeout 100 python3 -m benchmarks.kernel_sweep --out "$OUT" 2>&1 | tee "$OUT/sweep.txt" | tail -30 ;;
         server) timeout 90 bash benchmarks/gpu_server.sh "$OUT" 2>&1 | tee "$OUT/server.txt" | tail -20 ;;
         # the whole suite, GPU-only tests included, less the per-configuration NVRTC sweeps
         # (`alltests` runs those) and the npm CLIs (nothing can be installed there)

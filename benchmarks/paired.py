@@ -1,4 +1,4 @@
-"""The harness of the paired decode benchmarks (structured.py, task_events.py).
+"""The harness of the paired decode benchmarks (structured, task_events).
 
 One server process on a free port with a throwaway store; each run's decode rate read from
 the worker's own log line (`output_tokens=... decode_tps=...`), so HTTP timing noise stays
@@ -8,12 +8,8 @@ out; pairs of (reference, variant) runs summarised as the median of their ratios
 from __future__ import annotations
 
 import argparse
-import csv
 import re
-import socket
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from contextlib import contextmanager
@@ -22,8 +18,7 @@ from typing import Iterator
 
 import httpx
 
-ROOT = Path(__file__).resolve().parents[1]
-RESULTS = ROOT / "benchmarks" / "results"
+from benchmarks.common import Provenance, output_arguments, own_state, server_command, serving, write_rows
 
 
 def arguments(doc: str) -> argparse.Namespace:
@@ -31,40 +26,19 @@ def arguments(doc: str) -> argparse.Namespace:
     p.add_argument("--model", type=Path)
     p.add_argument("--tokens", type=int, default=128)
     p.add_argument("--pairs", type=int, default=4)
-    p.add_argument("--out", type=Path, default=RESULTS)
+    output_arguments(p)
     return p.parse_args()
-
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @contextmanager
 def server(model: Path | None, prefix: str) -> Iterator[tuple[str, str, Path]]:
     """(url, model id, log) of a started `lmsp_mlx.serve`; stopped when the block ends."""
     folder = Path(tempfile.mkdtemp(prefix=prefix))
-    log, port = folder / "server.log", _free_port()
-    cmd = [sys.executable, "-m", "lmsp_mlx.serve", "--port", str(port), "--store", str(folder / "store.sqlite3"),
-           "--state-key-file", str(folder / "state.key"), "--no-kv-disk", *(["--model", str(model)] if model else [])]
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=open(log, "w"), stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 900
-        while True:
-            try:
-                model_id = httpx.get(url + "/lmsp/v1/models", timeout=2).json()["data"][0]["id"]
-                break
-            except httpx.HTTPError:
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    raise SystemExit(f"the server did not start:\n{log.read_text()[-2000:]}")
-                time.sleep(0.5)
-        yield url, model_id, log
-    finally:
-        proc.terminate()
-        proc.wait(timeout=60)
+    log = folder / "server.log"
+    cmd = server_command("lmsp-mlx", *own_state(folder, kv_disk=False), *(["--model", model] if model else []))
+    with serving(cmd, log, ready="/lmsp/v1/models", timeout=900) as running:
+        model_id = httpx.get(running.url + "/lmsp/v1/models", timeout=10).json()["data"][0]["id"]
+        yield running.url, model_id, log
 
 
 def _runs(log: Path) -> list[tuple[int, float]]:
@@ -83,14 +57,11 @@ def run_after(log: Path, n: int) -> tuple[int, float]:
     return runs[n]
 
 
-def report(rows: list[dict], path: Path, kinds: tuple[str, str]) -> tuple[float, float, float]:
-    """Write the rows as CSV; medians of both kinds' rates and of the pairs' ratios
-    (rows alternate kinds[0], kinds[1])."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(rows[0]))
-        w.writeheader()
-        w.writerows(rows)
+def report(name: str, rows: list[dict], args: argparse.Namespace, provenance: Provenance,
+           kinds: tuple[str, str]) -> tuple[float, float, float]:
+    """Write the rows to `args.out/<name>.csv` (`--append` as asked); medians of both kinds'
+    rates and of the pairs' ratios (rows alternate kinds[0], kinds[1])."""
+    write_rows(name, rows, provenance, out=args.out, append=args.append)
     ratios = [rows[i + 1]["decode_tps"] / rows[i]["decode_tps"] for i in range(0, len(rows), 2)]
     first, second = (statistics.median(r["decode_tps"] for r in rows if r["kind"] == k) for k in kinds)
     return first, second, statistics.median(ratios)

@@ -1,37 +1,35 @@
 """Prefill and decode speed: mlx-lm's stream_generate directly vs. our server's stream, one run.
 
-    python benchmarks/prefill_decode.py [--model PATH] [--lengths 32,128,512] [--decode 64]
+    python -m benchmarks.prefill_decode [--model PATH] [--lengths 32,128,512] [--decode 64] [--repeats 7]
+                                        [--out DIR] [--append]
 
 Both sides run the same weights (loaded by lmsp-mlx's loader: float32 on the CPU backend)
 on the same rendered prompt at temperature 0, so they decode the same tokens. For each
 prompt length it times, from the caller's side, prefill (prompt tokens / time to the first
 token) and decode (later tokens / time from the first to the last) in back-to-back pairs,
-writes every run to benchmarks/results/prefill_decode.csv, the medians to .png, and prints
-a Markdown table whose decode ratio is the median of the pairs' ratios.
+writes every run to benchmarks/results/prefill_decode.csv (with the run's provenance
+columns; `--append` adds to its history), the medians to .png, and prints a Markdown table
+whose decode ratio is the median of the pairs' ratios.
 """
 
 from __future__ import annotations
 
 import argparse
-import csv
-import json
-import socket
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
+from contextlib import AbstractContextManager
 from pathlib import Path
 
 import httpx
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from plots import save, tokens_axes  # noqa: E402
-from lmsp_mlx.cpu_blas import accelerate  # noqa: E402
+from lmsp_mlx.cpu_blas import accelerate
 
 accelerate()  # first: MLX binds its BLAS as mlx.core loads (lmsp_mlx/cpu_blas/__init__.py)
+from benchmarks.common import (  # noqa: E402
+    Provenance, Server, output_arguments, own_state, server_command, serving, sse_events, write_rows,
+)
+from benchmarks.plots import save, tokens_axes  # noqa: E402
 from lmsp_mlx.engine.loader import load_model  # noqa: E402
 from lmsp_mlx.engine.model_store import DEFAULT_MODEL, default_models_dir, ensure_packaged_model  # noqa: E402
 
@@ -74,10 +72,7 @@ def served(url: str, model_id: str, messages: list[dict], decode: int) -> dict:
     first = last = None
     usage = None
     with httpx.stream("POST", url + "/lmsp/v1/responses", json=body, timeout=3600) as r:
-        for line in r.iter_lines():
-            if not line.startswith("data: "):
-                continue
-            data = json.loads(line[6:])
+        for _, data in sse_events(r.iter_lines()):
             if data["type"] == "response.output_text.delta":
                 now = time.perf_counter()
                 first = first or now
@@ -89,29 +84,14 @@ def served(url: str, model_id: str, messages: list[dict], decode: int) -> dict:
             "prefill_tps": usage["input_tokens"] / (first - start), "decode_tps": (n - 1) / (last - first)}
 
 
-def start_server(model: Path, model_id: str) -> tuple[subprocess.Popen, str]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    # Its own store and no checkpoints: a benchmark leaves nothing in the user's folders,
-    # and every prefill it measures is a real one.
+def server(model: Path, model_id: str) -> AbstractContextManager[Server]:
+    """The lmsp-mlx server of the comparison, its own store and no checkpoints: a benchmark
+    leaves nothing in the user's folders, and every prefill it measures is a real one."""
     folder = Path(tempfile.mkdtemp(prefix="prefill-decode-"))
     log = folder / "server.log"
     print(f"server log: {log}")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "lmsp_mlx.serve", "--model", str(model), "--model-id", model_id, "--port", str(port),
-         "--store", str(folder / "store.sqlite3"), "--state-key-file", str(folder / "state.key"), "--no-kv-disk"],
-        cwd=ROOT, stdout=open(log, "w"), stderr=subprocess.STDOUT,
-    )
-    url = f"http://127.0.0.1:{port}"
-    for _ in range(1200):
-        try:
-            if httpx.get(url + "/healthz", timeout=1).status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            time.sleep(0.25)
-    proc.kill()
-    raise SystemExit("the server did not start")
+    cmd = server_command("lmsp-mlx", "--model", model, "--model-id", model_id, *own_state(folder, kv_disk=False))
+    return serving(cmd, log, ready="/healthz", timeout=300)
 
 
 def plot(summary: list[dict], title: str, out: Path) -> None:
@@ -135,14 +115,15 @@ def main() -> None:
     p.add_argument("--lengths", default="32,128,512", help="prompt lengths in tokens, comma-separated")
     p.add_argument("--decode", type=int, default=64, help="tokens to decode per run")
     p.add_argument("--repeats", type=int, default=7, help="direct/server pairs per length")
-    p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
+    output_arguments(p)
     args = p.parse_args()
+    provenance = Provenance.gather()
 
     model_path = args.model or ensure_packaged_model(DEFAULT_MODEL, default_models_dir())
     lm = load_model(model_path)
-    proc, url = start_server(model_path, lm.id)
     runs, summary = [], []
-    try:
+    with server(model_path, lm.id) as running:
+        url = running.url
         warm = make_messages(lm.tokenizer, 16)
         direct(lm, warm, 4), served(url, lm.id, warm, 4)
         for target in [int(x) for x in args.lengths.split(",")]:
@@ -165,16 +146,12 @@ def main() -> None:
             summary.append(row)
             print(f"prompt={row['prompt_tokens']:5d} decode direct={row['decode_direct']:.2f} "
                   f"server={row['decode_server']:.2f} ratio={row['decode_ratio']:.3f}", flush=True)
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
 
-    args.out.mkdir(parents=True, exist_ok=True)
-    with open(args.out / "prefill_decode.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(runs[0]))
-        writer.writeheader()
-        writer.writerows(runs)
-    plot(summary, f"{lm.id} on {lm.backend} {lm.quantization}", args.out / "prefill_decode.png")
+    write_rows("prefill_decode", runs, provenance, out=args.out, append=args.append)
+    try:
+        plot(summary, f"{lm.id} on {lm.backend} {lm.quantization}", args.out / "prefill_decode.png")
+    except ImportError:  # the CSV is written; the table below still prints
+        print("(no matplotlib: CSV only; pip install -e '.[bench]')")
 
     print(f"\n{lm.id}, {lm.backend} {lm.quantization}, {args.decode} decoded tokens, "
           f"medians of {args.repeats} back-to-back pairs\n")

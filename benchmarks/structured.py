@@ -1,19 +1,21 @@
 """What constrained decoding costs: decode tok/s under a JSON Schema against free text, one run.
 
-    python benchmarks/structured.py [--model PATH] [--tokens 128] [--pairs 4]
+    python -m benchmarks.structured [--model PATH] [--tokens 128] [--pairs 4] [--out DIR] [--append]
 
 One server, the default model, greedy. Each pair runs the same prompt twice: once free,
 once with `response_format` set to a moderately complex schema (20 properties: nested
 objects, arrays, enums, numbers, patterns). The rate is the worker's own (`decode_tps=`
 in the server log), from the first token to the last. Target: the constrained rate at least
-0.85 of the free one (median of the pairs' ratios). Writes benchmarks/results/structured.csv.
+0.85 of the free one (median of the pairs' ratios). Writes benchmarks/results/structured.csv
+(with the run's provenance columns; `--append` adds to its history).
 """
 
 from __future__ import annotations
 
 import httpx
 
-from paired import arguments, report, run_after, runs_so_far, server
+from benchmarks.common import Provenance
+from benchmarks.paired import arguments, report, run_after, runs_so_far, server
 
 PROMPT = "Invent a detailed customer record for a bicycle shop and write it out in full."
 
@@ -52,6 +54,7 @@ SCHEMA = {
 
 def main() -> None:
     args = arguments(__doc__)
+    provenance = Provenance.gather()
     rows = []
     with server(args.model, "structured-") as (url, model, log):
         free = {"model": model, "input": PROMPT, "temperature": 0, "max_output_tokens": args.tokens}
@@ -66,7 +69,7 @@ def main() -> None:
                     tokens, rate = run_after(log, n)
                     rows.append({"pair": pair, "kind": kind, "output_tokens": tokens, "decode_tps": rate})
                     print(f"pair {pair} {kind:>11}: {rate:6.1f} tok/s over {tokens} tokens", flush=True)
-    free_rate, json_rate, ratio = report(rows, args.out / "structured.csv", ("free", "json_schema"))
+    free_rate, json_rate, ratio = report("structured", rows, args, provenance, ("free", "json_schema"))
     print(f"\n| decode, up to {args.tokens} tokens | free text | json_schema (20 properties) | ratio (median of pairs) | target |")
     print("|---|---:|---:|---:|---:|")
     print(f"| {model} | {free_rate:.1f} tok/s | {json_rate:.1f} tok/s | {ratio:.3f} | ≥ 0.85 |")

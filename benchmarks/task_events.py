@@ -1,19 +1,21 @@
 """What persisting a task's events costs the decode rate, measured in one run.
 
-    python benchmarks/task_events.py [--model PATH] [--tokens 128] [--pairs 4]
+    python -m benchmarks.task_events [--model PATH] [--tokens 128] [--pairs 4] [--out DIR] [--append]
 
 The same greedy request runs against one server, alternately as a plain LMSP stream and
 as a task (POST /lmsp/v1/tasks, then following its events), in back-to-back pairs. The
 decode rate of each run is the worker's own (`decode_tps=` in the server log), so HTTP
 timing noise stays out. Target: the task's rate at least 0.95 of the plain stream's
-(median of the pairs' ratios). Writes benchmarks/results/task_events.csv.
+(median of the pairs' ratios). Writes benchmarks/results/task_events.csv (with the run's
+provenance columns; `--append` adds to its history).
 """
 
 from __future__ import annotations
 
 import httpx
 
-from paired import arguments, report, run_after, runs_so_far, server
+from benchmarks.common import Provenance
+from benchmarks.paired import arguments, report, run_after, runs_so_far, server
 
 PROMPT = "Count from 1 to 300, separated by commas: 1, 2, 3,"
 
@@ -25,6 +27,7 @@ def events(client: httpx.Client, method: str, path: str, **kwargs) -> int:
 
 def main() -> None:
     args = arguments(__doc__)
+    provenance = Provenance.gather()
     rows = []
     with server(args.model, "task-events-") as (url, model, log):
         body = {"model": model, "input": PROMPT, "temperature": 0, "max_output_tokens": args.tokens}
@@ -41,7 +44,7 @@ def main() -> None:
                     _, rate = run_after(log, n)
                     rows.append({"pair": pair, "kind": kind, "events": count, "decode_tps": rate})
                     print(f"pair {pair} {kind:>6}: {rate:6.1f} tok/s, {count} events", flush=True)
-    plain, task, ratio = report(rows, args.out / "task_events.csv", ("stream", "task"))
+    plain, task, ratio = report("task_events", rows, args, provenance, ("stream", "task"))
     print(f"\n| decode, {args.tokens} tokens | plain stream | task (events persisted) | ratio (median of pairs) | target |")
     print("|---|---:|---:|---:|---:|")
     print(f"| {model} | {plain:.1f} tok/s | {task:.1f} tok/s | {ratio:.3f} | ≥ 0.95 |")
