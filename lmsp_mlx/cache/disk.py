@@ -1,6 +1,6 @@
 """KV checkpoints on disk: one `.safetensors` file per session state, found by text prefix.
 
-Format `lmsp-kv-1` (also described in the README, "Checkpoints on disk"):
+Format `lmsp-kv-1` (also described in docs/kv-cache.md, "Checkpoints on disk"):
 - tensors `<layer>.<path>`: the array leaves of each layer cache's state (`KVCache`: keys
   and values cut to the valid positions), float as computed;
 - `__metadata__` (strings): `format`, `model` (the model fingerprint), `kind` (`visible`:

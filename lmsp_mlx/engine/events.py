@@ -60,7 +60,7 @@ class Finished:
 @dataclass(frozen=True)
 class Failed:
     message: str
-    code: str = "internal_error"  # a PROTOCOL.md problem code
+    code: str = "internal_error"  # a problem code (docs/api.md)
 
 
 GenerationEvent = Union[TextDelta, ReasoningDelta, ReasoningEnd, ToolCall, Finished, Failed]

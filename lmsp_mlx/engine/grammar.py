@@ -193,7 +193,7 @@ class Rules:
 
 def reply_rules(spec: ReplySpec, fmt: OutputFormat) -> Rules | None:
     """The rules of `reply`; None where this model's call syntax cannot be constrained
-    (calls that are not `<tool_call>` JSON: README)."""
+    (calls that are not `<tool_call>` JSON: docs/tools-and-reasoning.md, "Tool calls")."""
     json_reply = Rules(f"reply: {json_rule(spec.schema)}\n", {}) if spec.schema is not None else None
     if fmt.call != DEFAULT_CALL or spec.kind == "json":
         return json_reply

@@ -1,7 +1,7 @@
 """Load an mlx-lm model directory for serving.
 
 On Metal a quantized model stays quantized. MLX's CPU backend has no fast quantized or
-half-precision matmul (see design/FACTS.md), so there every weight is made float32 at
+half-precision matmul (see docs/cpu-backend.md), so there every weight is made float32 at
 load time; the model listing reports which.
 """
 

@@ -1,4 +1,4 @@
-"""LMSP 1.0 routes under /lmsp/v1 (section 6 and PROTOCOL.md)."""
+"""LMSP 1.0 routes under /lmsp/v1 (sections 6.1-6.5, restated in docs/api.md)."""
 
 from __future__ import annotations
 
@@ -194,7 +194,7 @@ async def _ended_task(task_id: str) -> TaskRecord:
 
 
 async def _task_object(task_id: str) -> dict:
-    """PROTOCOL.md's task object: the live state while it runs, the stored one after."""
+    """The task object (docs/api.md, Tasks): the live state while it runs, the stored one after."""
     tasks, who = state().tasks, owner()
     live = tasks.live.get(task_id)
     if live is not None and live.owner == who:

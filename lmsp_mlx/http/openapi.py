@@ -164,7 +164,7 @@ def openapi_document(app: Quart) -> dict[str, Any]:
     return {
         "openapi": "3.1.0",
         "info": {"title": "lmsp-mlx", "version": __version__,
-                 "description": f"LMSP {LMSP_VERSION} (section 6 and design/PROTOCOL.md), with OpenAI-style /v1 routes and Anthropic's /v1/messages."},
+                 "description": f"LMSP {LMSP_VERSION} (its Responses chapter, section 6), with OpenAI-style /v1 routes and Anthropic's /v1/messages."},
         "paths": dict(sorted(paths.items())),
         "components": {
             "schemas": _schemas(),

@@ -1,4 +1,4 @@
-"""The names PROTOCOL.md's Auth section fixes: the scopes a token may hold, and the owner
+"""The names docs/api.md's Tokens and scopes fixes: the scopes a token may hold, and the owner
 of what requests without a token create (a service with no tokens configured serves one
 local owner). Owners key stored responses, tasks, KV bindings and remembered calls."""
 

@@ -1,6 +1,6 @@
 """Problem documents (RFC 9457), the one error type every route raises.
 
-The table of codes and statuses is PROTOCOL.md's; a route raises `Problem` and the
+The table of codes and statuses is docs/api.md's (Problem codes); a route raises `Problem` and the
 server renders it as `application/problem+json` on LMSP routes, as an OpenAI-style
 `{"error": {...}}` on /v1 routes, and as Anthropic's `{"type": "error", "error": {...}}`
 on /v1/messages.
@@ -81,7 +81,7 @@ _ANTHROPIC_TYPES = {
 
 
 class Problem(Exception):
-    """An error the client caused or must know about, with its PROTOCOL.md code."""
+    """An error the client caused or must know about, with its code from docs/api.md."""
 
     def __init__(
         self,

@@ -26,7 +26,7 @@ class SseEvent:
 
 class LmspEvents:
     """Numbers one response's events from 1; every data object also carries `type` and
-    `sequence_number` (= the id), as PROTOCOL.md fixes, for generic Responses clients."""
+    `sequence_number` (= the id), as docs/api.md fixes (Streams), for generic Responses clients."""
 
     def __init__(self, response_id: str) -> None:
         self.response_id = response_id

@@ -1,4 +1,4 @@
-"""Bearer tokens and their scopes (PROTOCOL.md, Auth).
+"""Bearer tokens and their scopes (docs/api.md, Tokens and scopes).
 
 Tokens come from `--api-key` (every scope) and a tokens file (`--tokens FILE`, JSON: each
 token mapped to its list of scopes). A route declares the scope it needs with `@requires`;
