@@ -227,7 +227,7 @@ def use_cpu_build(build: str, threads: str, request, monkeypatch) -> None:
 
 
 @needs_cpu_kernel
-@pytest.mark.parametrize("build, threads", [("installed", "all"), ("installed", "one"),
+@pytest.mark.parametrize("build, threads", [("installed", "all"), pytest.param("installed", "one", marks=pytest.mark.slow),
                                            pytest.param("portable", "all", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("bits", [2, 3, 4, 8])
 @pytest.mark.parametrize("group_size", [32, 64])
@@ -247,7 +247,7 @@ def test_the_cpu_expert_kernel_matches_the_reference(bits, group_size, tokens, k
 
 
 @needs_cpu_kernel
-@pytest.mark.parametrize("build, threads", [("installed", "all"), ("installed", "one"),
+@pytest.mark.parametrize("build, threads", [("installed", "all"), pytest.param("installed", "one", marks=pytest.mark.slow),
                                            pytest.param("portable", "all", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("bits", [2, 3, 4, 8])
 @pytest.mark.parametrize("group_size", [32, 64])
