@@ -270,3 +270,67 @@ def build_tiny_gguf(model_dir: Path, out: Path, arch: str = "llama", drop: str |
         del tensors[drop]
     mx.save_gguf(str(out), tensors, meta)
     return out
+
+
+# Per-architecture overrides of _FAMILY_BASE: 4 layers of width 64, heads of 16, in which
+# each family's cache kinds mix (see build_tiny_family_model).
+_LINEAR = {"linear_num_value_heads": 4, "linear_num_key_heads": 2, "linear_key_head_dim": 16,
+           "linear_value_head_dim": 16, "linear_conv_kernel_dim": 4, "full_attention_interval": 2}
+_MOE = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "norm_topk_prob": True}
+_FAMILY_CONFIGS: dict[str, dict] = {
+    "llama": {},
+    "qwen3_next": {**_LINEAR, **_MOE, "decoder_sparse_step": 1, "mlp_only_layers": [],
+                   "shared_expert_intermediate_size": 32, "partial_rotary_factor": 0.5},
+    "qwen3_5": {**_LINEAR, "rope_parameters": {"type": "default", "rope_theta": 10000.0,
+                                               "partial_rotary_factor": 0.5}},
+    "gpt_oss": {"num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": 16,
+                "layer_types": ["sliding_attention", "full_attention"] * 2},
+    "gemma3_text": {"sliding_window": 16, "sliding_window_pattern": 2, "query_pre_attn_scalar": 16,
+                    "rope_local_base_freq": 10000.0},
+    "nemotron_h": {"hybrid_override_pattern": ["M", "*", "-", "M"], "mamba_num_heads": 4, "mamba_head_dim": 16,
+                   "ssm_state_size": 16, "conv_kernel": 4, "n_groups": 1, "mamba_proj_bias": False,
+                   "use_bias": False, "use_conv_bias": True, "mlp_bias": False, "attention_bias": False,
+                   "layer_norm_epsilon": 1e-5},
+    "kimi_linear": {**_MOE, "num_experts_per_token": 2, "num_shared_experts": 1, "first_k_dense_replace": 1,
+                    "kv_lora_rank": 32, "qk_nope_head_dim": 16, "qk_rope_head_dim": 16, "v_head_dim": 16,
+                    "mla_use_nope": True, "model_max_length": 4096,
+                    "bos_token_id": 0, "pad_token_id": 0,  # transformers' defaults lie outside the vocab
+                    "linear_attn_config": {"kda_layers": [1, 3], "full_attn_layers": [2, 4], "num_heads": 4,
+                                           "head_dim": 16, "short_conv_kernel_size": 4}},
+    "deepseek_v3": {"num_key_value_heads": 4, "n_routed_experts": 4, "n_shared_experts": 1,
+                    "num_experts_per_tok": 2, "moe_intermediate_size": 32, "routed_scaling_factor": 1.0,
+                    "kv_lora_rank": 32, "q_lora_rank": 32, "qk_rope_head_dim": 16, "v_head_dim": 16,
+                    "qk_nope_head_dim": 16, "topk_method": "noaux_tc", "scoring_func": "sigmoid", "n_group": 1,
+                    "topk_group": 1, "first_k_dense_replace": 1, "moe_layer_freq": 1, "norm_topk_prob": True},
+}
+_FAMILY_BASE = {
+    "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4, "num_attention_heads": 4,
+    "num_key_value_heads": 2, "head_dim": 16, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
+    "max_position_embeddings": 4096, "tie_word_embeddings": False, "eos_token_id": 2,
+}
+FAMILIES = tuple(_FAMILY_CONFIGS)
+
+
+def build_tiny_family_model(out: Path, arch: str, *, seed: int = 3) -> Path:
+    """A tiny random float32 model of an mlx-lm architecture in FAMILIES, 4 layers of width
+    64, whose per-layer caches (make_prompt_cache) mix kinds: `llama` all KVCache;
+    `qwen3_next` (MoE) and `qwen3_5` (dense, its text model alone) linear-attention layers
+    (ArraysCache) between full ones (KVCache); `gpt_oss` and `gemma3_text` sliding-window
+    layers (RotatingKVCache, window 16) between full ones (KVCache); `nemotron_h` Mamba layers
+    (ArraysCache) and an attention layer (KVCache), its MLP layer having no cache (so 3 caches
+    for 4 layers); `kimi_linear` delta-attention layers (ArraysCache of 4) between MLA ones
+    (KVCache); `deepseek_v3` MLA layers (KVCache), the first dense, the rest MoE."""
+    import importlib
+
+    out.mkdir(parents=True, exist_ok=True)
+    config = {"model_type": arch, "vocab_size": write_tokenizer(out), **_FAMILY_BASE, **_FAMILY_CONFIGS[arch]}
+    module = importlib.import_module(f"mlx_lm.models.{arch}")
+    mx.random.seed(seed)
+    model = module.Model(module.ModelArgs.from_dict(config))
+    head = getattr(model, "language_model", model).lm_head  # qwen3_5 wraps its text model
+    head.weight = mx.random.normal(head.weight.shape) * 2.0  # decisive greedy choices
+    weights = dict(tree_flatten(model.parameters()))
+    assert all(w.dtype == mx.float32 for w in weights.values()), arch
+    mx.save_safetensors(str(out / "model.safetensors"), weights)
+    (out / "config.json").write_text(json.dumps(config))
+    return out

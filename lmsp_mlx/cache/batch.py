@@ -11,7 +11,8 @@ sequence's codes are the same merged or alone), written at `_idx` for every row.
 A decode step's attention reads the buffers where they are, skipping each row's padding:
 the wrapped attention (kernels/install.py) passes `left_padding` to `decode_attention` as
 `first`. Every other consumer gets `make_mask`'s left-padded causal mask, as with
-BatchKVCache. `merge` builds one from sequences' own caches, `extract` gives one back.
+BatchKVCache. `merge` builds one from sequences' own caches, `extract` gives one back,
+and `filter` / `extend` drop rows and add rows, as BatchKVCache's do.
 """
 
 from __future__ import annotations
@@ -74,6 +75,48 @@ class BatchQuantizedKVCache(_BaseCache):
                                         for parts in (self.keys, self.values))
             cache.offset = self._idx - padding
         return cache
+
+    def filter(self, rows: mx.array) -> None:
+        """Keep only `rows` (indices into the batch), in place; what every kept row now
+        pads on the left alike is cut, as BatchKVCache.filter does."""
+        self.left_padding, self.offset = self.left_padding[rows], self.offset[rows]
+        if self.keys is not None:
+            self.keys, self.values = (tuple(a[rows] for a in parts) for parts in (self.keys, self.values))
+        if (cut := min(self.left_padding.tolist(), default=0)) > 0:
+            if self.keys is not None:
+                self.keys, self.values = (tuple(a[..., cut:, :] for a in parts) for parts in (self.keys, self.values))
+            self._idx -= cut
+            self.left_padding = self.left_padding - cut
+
+    def extend(self, other: BatchQuantizedKVCache) -> None:
+        """Append `other`'s rows, in place: both right-aligned at the longer one's index, so
+        a row's own positions keep their codes (only padding is added on the left)."""
+        if (other.group_size, other.bits) != (self.group_size, self.bits):
+            raise ValueError("quantized caches of different widths or groups cannot share a batch")
+        if self.keys is None and other.keys is None:
+            self.left_padding = mx.concatenate([self.left_padding, other.left_padding])
+            self.offset = mx.concatenate([self.offset, other.offset])
+            return
+        end = max(self._idx, other._idx)
+        capacity = max(c.keys[0].shape[2] - c._idx for c in (self, other) if c.keys is not None) + end
+        template = self if self.keys is not None else other
+
+        def aligned(c: BatchQuantizedKVCache, which: str) -> list[mx.array]:
+            rows = c.left_padding.shape[0]
+            left = end - c._idx
+            out = []
+            for j, like in enumerate(getattr(template, which)):
+                a = getattr(c, which)[j][..., : c._idx, :] if c.keys is not None else \
+                    mx.zeros((rows, like.shape[1], 0, like.shape[-1]), like.dtype)
+                out.append(mx.pad(a, [(0, 0), (0, 0), (left, capacity - end), (0, 0)]))
+            return out
+
+        self.keys, self.values = (tuple(mx.concatenate(pair) for pair in zip(aligned(self, w), aligned(other, w)))
+                                  for w in ("keys", "values"))
+        self.left_padding = mx.concatenate([self.left_padding + (end - self._idx),
+                                            other.left_padding + (end - other._idx)])
+        self.offset = mx.concatenate([self.offset, other.offset])
+        self._idx = end
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[Parts, Parts]:
         b, heads, steps, _ = keys.shape

@@ -7,13 +7,19 @@ forward for all where it can:
   `--kv-bits` quantized ones, whose attention is attention.c's), each on its own cache at
   its own position, the weights read once for the whole batch;
 - otherwise (Metal, CUDA, models the compiled step does not know, `--kv-bits` caches)
-  sequences are merged into one left-padded batch cache per layer (`Merged`): mlx-lm's
-  `BatchKVCache` for plain caches, cache/batch.py's `BatchQuantizedKVCache` for quantized
-  ones, whose decode attention is the batched `decode_attention` kernel; kept merged while
-  the batch's members stay the same, and extracted back when they change;
-- the rest (sliding-window and recurrent caches, a cache of another kind than the
-  batch's) step one by one through the model, each on its own cache. Why a sequence
-  steps outside the batch is logged once, in one line.
+  sequences are merged into one batch cache per layer (`Merged`), each layer in the batch
+  form of its own kind (`merge_layer`): mlx-lm's `BatchKVCache` for plain caches (MLA's
+  included), `BatchRotatingKVCache` for sliding-window ones, `ArraysCache` rows for
+  recurrent state, a `CacheList` of batches for a layer holding several caches, and
+  cache/batch.py's `BatchQuantizedKVCache` for quantized ones (whose decode attention is
+  the batched `decode_attention` kernel). A model that mixes kinds across its layers
+  (gpt-oss, Gemma 3, Qwen3-Next, Nemotron-H) batches each layer in its own kind. The merge
+  is kept across steps: a sequence that joins is merged alone and appended (`extend`), one
+  that leaves is extracted alone and its row dropped (`filter`), so the others' caches are
+  never taken apart and rebuilt;
+- the rest (a cache kind with no batch form, a cache of another layout than the batch's)
+  step one by one through the model, each on its own cache. Why a sequence steps outside
+  the batch is logged once, in one line.
 
 A failure is the failing sequence's alone: a batched call that raises is retried one
 sequence at a time (it writes nothing before it can finish), and a sequence whose step or
@@ -26,7 +32,10 @@ import logging
 from typing import Callable
 
 import mlx.core as mx
-from mlx_lm.models.cache import BatchKVCache, KVCache, QuantizedKVCache, make_prompt_cache
+from mlx_lm.models.cache import (
+    ArraysCache, BatchKVCache, BatchRotatingKVCache, CacheList, KVCache, QuantizedKVCache, RotatingKVCache,
+    make_prompt_cache,
+)
 
 from ..cache.batch import BatchQuantizedKVCache
 
@@ -142,61 +151,108 @@ def _commonest(seqs: list[Sequence], kind: Callable[[Sequence], tuple | None]) -
 
 
 def _merge_kind(s: Sequence) -> tuple | None:
-    """What `Merged` batches this sequence's cache as: plain KVCaches, or QuantizedKVCaches
-    of one width and group (merged into BatchQuantizedKVCaches); None for any other cache,
-    or more than one pending token (a prompt's tail rides only in the compiled step)."""
+    """What `Merged` batches this sequence's cache as: each layer's kind (`layer_kind`), so
+    only sequences whose layers merge alike share a batch; None where a layer has no batch
+    form, or more than one token is pending (a prompt's tail rides only in the compiled step)."""
     if len(s.pending) != 1:
         return None
-    if all(type(c) is KVCache for c in s.cache):
+    kinds = tuple(layer_kind(c) for c in s.cache)
+    return None if None in kinds else kinds
+
+
+def layer_kind(c) -> tuple | None:
+    """A layer cache's batch kind: what must be equal for two of them to merge. Exact types,
+    not subclasses: a subclass may keep its state in ways the batch form does not know."""
+    t = type(c)
+    if t is KVCache:
         return ("plain",)
-    if all(type(c) is QuantizedKVCache for c in s.cache):
-        widths = {(c.bits, c.group_size) for c in s.cache}
-        return ("quantized", *widths.pop()) if len(widths) == 1 else None
+    if t is QuantizedKVCache:
+        return ("quantized", c.bits, c.group_size)
+    if t is RotatingKVCache:  # BatchRotatingKVCache keeps no "keep" prefix: only keep=0 merges
+        return ("rotating", c.max_size) if c.keep == 0 else None
+    if t is ArraysCache:
+        return ("arrays", len(c.cache))
+    if t is CacheList:
+        inner = tuple(layer_kind(x) for x in c.caches)
+        return None if None in inner else ("list", inner)
     return None
+
+
+def merge_layer(caches: list):
+    """One layer's caches (one per sequence, all of one `layer_kind`) as that kind's batch form."""
+    first = caches[0]
+    if type(first) is CacheList:
+        return CacheList(*(merge_layer([c.caches[i] for c in caches]) for i in range(len(first.caches))))
+    merge = {KVCache: BatchKVCache.merge, QuantizedKVCache: BatchQuantizedKVCache.merge,
+             RotatingKVCache: BatchRotatingKVCache.merge, ArraysCache: ArraysCache.merge}[type(first)]
+    return merge(caches)
 
 
 def _why_alone(s: Sequence, kind: tuple | None, batch_step) -> str:
     kinds = ", ".join(sorted({type(c).__name__ for c in s.cache}))
     if kind is not None:
-        return f"its KV cache ({kinds}) is of another kind than the batch's"
+        return f"its KV cache ({kinds}) is laid out unlike the batch's"
     if len(s.pending) != 1:
         return "its prompt's tail is fed whole"
-    compiled = " or a float32 cache the compiled batched step reads" if batch_step is not None else ""
-    return (f"its KV cache ({kinds}) is not one that merges into a batch here (plain KVCache, or QuantizedKVCache "
-            f"of one width{compiled})")
+    return (f"its KV cache ({kinds}) has a layer with no batch form here (KVCache, QuantizedKVCache, "
+            f"RotatingKVCache without keep, ArraysCache and CacheLists of them merge)")
 
 
 class Merged:
-    """Sequences that decode through MLX in one forward: their caches merged, one per layer,
-    into mlx-lm's left-padded `BatchKVCache` (plain caches) or its quantized twin
-    `BatchQuantizedKVCache` (cache/batch.py, `--kv-bits`). The merge is kept across steps
-    while the members stay the same; when they change, every member's cache is extracted
-    back (its own cache, in the session's cache list) and the new members merged."""
+    """Sequences that decode through MLX in one forward: their caches merged, layer by
+    layer, into each layer kind's batch form (`merge_layer`).
+
+    Invariant: a member's own cache list (`Sequence.cache`, which its session holds) is
+    stale while it is a member; its state is row `members.index(seq)` of `cache`, until
+    `release` extracts it back. Membership changes touch only who joins or leaves: a
+    joiner is merged alone and appended to every layer (`extend`); a leaver's row is
+    extracted and dropped (`filter`)."""
 
     def __init__(self) -> None:
         self.members: list[Sequence] = []
-        self.cache: list[BatchKVCache | BatchQuantizedKVCache] = []
+        self.cache: list = []
 
     def step(self, lm: LoadedModel, seqs: list[Sequence]) -> mx.array:
-        if seqs != self.members:
-            self.release_all()
-            self.cache = [_batch_of([s.cache[i] for s in seqs]) for i in range(len(seqs[0].cache))]
-            self.members = list(seqs)
-        tokens = mx.array([s.pending for s in seqs])  # one token each (a prompt's tail rides in the compiled step)
-        return lm.model(tokens, cache=self.cache)[:, -1, :]
+        """One token for each of `seqs` (one pending token each); their logits, in `seqs`' order."""
+        self._leave([i for i, m in enumerate(self.members) if not any(m is s for s in seqs)])
+        self._join([s for s in seqs if not any(s is m for m in self.members)])
+        tokens = mx.array([s.pending for s in self.members])
+        logits = lm.model(tokens, cache=self.cache)[:, -1, :]
+        order = [next(i for i, m in enumerate(self.members) if m is s) for s in seqs]
+        return logits if order == list(range(len(order))) else logits[mx.array(order)]
 
     def release(self, seq: Sequence) -> None:
-        if any(s is seq for s in self.members):
-            self.release_all()
+        """Hand `seq`'s state back to its own cache and drop its row; the others stay merged."""
+        self._leave([i for i, m in enumerate(self.members) if m is seq])
 
     def release_all(self) -> None:
         for i, s in enumerate(self.members):
             s.cache[:] = [c.extract(i) for c in self.cache]  # in place: the session holds this list
         self.members, self.cache = [], []
 
+    def _join(self, joining: list[Sequence]) -> None:
+        if not joining:
+            return
+        batch = [merge_layer([s.cache[i] for s in joining]) for i in range(len(joining[0].cache))]
+        if self.members:
+            for mine, theirs in zip(self.cache, batch):
+                mine.extend(theirs)
+        else:
+            self.cache = batch
+        self.members += joining
 
-def _batch_of(caches: list) -> BatchKVCache | BatchQuantizedKVCache:
-    return (BatchQuantizedKVCache if type(caches[0]) is QuantizedKVCache else BatchKVCache).merge(caches)
+    def _leave(self, rows: list[int]) -> None:
+        if not rows:
+            return
+        if len(rows) == len(self.members):
+            return self.release_all()
+        for i in rows:
+            self.members[i].cache[:] = [c.extract(i) for c in self.cache]
+        kept = [i for i in range(len(self.members)) if i not in rows]
+        keep = mx.array(kept, dtype=mx.int32)
+        for c in self.cache:
+            c.filter(keep)
+        self.members = [self.members[i] for i in kept]
 
 
 def _take(s: Sequence, logits: mx.array, failed: dict[Sequence, Exception]) -> None:

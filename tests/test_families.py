@@ -1,0 +1,158 @@
+"""Every family batches on the path a Mac runs: tiny random models built with mlx-lm's own
+classes (sliding-window, recurrent-hybrid, MLA, llama with the compiled step off) decode
+several sequences in one merged batch, each layer in the batch form of its own cache kind,
+and each sequence gets the greedy tokens it gets alone, while others join and leave.
+
+Tolerance: none on tokens. A merged batch sums padded rows in another order than a
+sequence alone, so logits may differ in the last bits; the models' output heads are scaled
+so that greedy choices have no near-tie.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from lmsp_mlx.engine.batch import Batch, Merged, chunk_size, generate, layer_kind, next_prefill
+from lmsp_mlx.engine.generate import GenerationParams
+from lmsp_mlx.engine.loader import load_model
+from lmsp_mlx.engine.sequence import Phase, Sequence
+from mlx_lm.models.cache import make_prompt_cache
+from tests.helpers import HTTP, ask
+from tests.test_engine import wait_for_metric
+from tests.tiny_model import FAMILIES, build_tiny_family_model
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def family_lm(request, tmp_path_factory):
+    import os
+
+    before = os.environ.get("LMSP_CPU_DECODE")
+    os.environ["LMSP_CPU_DECODE"] = "0"  # llama as a Mac runs it: through MLX, not the compiled step
+    try:
+        yield load_model(build_tiny_family_model(tmp_path_factory.mktemp(request.param) / request.param,
+                                                 request.param))
+    finally:
+        os.environ.pop("LMSP_CPU_DECODE") if before is None else os.environ.__setitem__("LMSP_CPU_DECODE", before)
+
+
+def params(lm) -> list[GenerationParams]:
+    """Four prompts of different lengths, longer than a sliding window of 16; the second
+    ends early, so it leaves the batch midway and the others go on without it."""
+    vocab = lm.tokenizer.vocab_size
+    prompt = lambda n, at: [(at + 7 * i) % (vocab - 10) + 5 for i in range(n)]  # noqa: E731
+    return [GenerationParams(prompt=prompt(n, at), max_tokens=m, temperature=0.0)
+            for n, at, m in ((40, 3, 30), (9, 11, 6), (23, 17, 30), (61, 5, 24))]
+
+
+def alone(lm, p: GenerationParams) -> list[int]:
+    sampled: list[int] = []
+    generate(lm, p, emit=lambda e: None, sampled=sampled)
+    return sampled
+
+
+def together(lm, seqs: list[Sequence], joins_at: dict[int, int]) -> list[int]:
+    """Step the sequences as the worker does; sequence i starts after `joins_at[i]` steps.
+    Returns how many sequences each decode step merged."""
+    batch, step, widths = Batch(lm), 0, []
+    while live := [s for i, s in enumerate(seqs) if s.phase is not Phase.DONE and joins_at.get(i, 0) <= step]:
+        if (s := next_prefill(live)) is not None:
+            s.prefill_chunk(chunk_size(s, 64, len(live) > 1))
+        decoding = [s for s in live if s.phase is Phase.DECODE]
+        assert batch.step(decoding) == {}
+        widths.append(len(batch._merged.members))
+        for s in seqs:
+            if s.phase is Phase.DONE:
+                batch.release(s)
+        step += 1
+    return widths
+
+
+def test_a_merged_batch_gives_each_sequence_its_tokens_alone_as_others_join_and_leave(family_lm, caplog):
+    lm = family_lm
+    expected = [alone(lm, p) for p in params(lm)]
+    assert all(len(e) > 1 for e in expected)
+    seqs = [Sequence(lm, p, make_prompt_cache(lm.model), emit=lambda e: None) for p in params(lm)]
+    kinds = [type(c) for c in seqs[0].cache]
+    with caplog.at_level("INFO", logger="lmsp_mlx.engine"):
+        widths = together(lm, seqs, joins_at={3: 3})  # the longest prompt joins a running batch
+    assert [s.sampled for s in seqs] == expected
+    assert "steps outside the batch" not in caplog.text
+    assert max(widths) == 4 and 3 in widths  # all four merged at once, and fewer once one left
+    assert all([type(c) for c in s.cache] == kinds for s in seqs)  # each handed back in its own kinds
+
+
+def test_every_layer_of_every_family_has_a_batch_kind(family_lm):
+    cache = make_prompt_cache(family_lm.model)
+    assert all(layer_kind(c) is not None for c in cache), [type(c).__name__ for c in cache]
+
+
+def test_a_member_that_leaves_is_extracted_alone(family_lm):
+    """Leaving drops one row: the other members' rows keep going without being rebuilt."""
+    lm = family_lm
+    seqs = [Sequence(lm, p, make_prompt_cache(lm.model), emit=lambda e: None) for p in params(lm)[:3]]
+    for s in seqs:
+        while s.phase is Phase.PREFILL:
+            s.prefill_chunk(64)
+    merged = Merged()
+    merged.step(lm, [s for s in seqs if s.phase is Phase.DECODE])
+    rows = list(merged.cache)
+    merged.release(seqs[1])
+    assert merged.members == [seqs[0], seqs[2]]
+    assert all(a is b for a, b in zip(merged.cache, rows))  # the same batch objects, filtered in place
+    assert [type(c) for c in seqs[1].cache] == [type(c) for c in make_prompt_cache(lm.model)]
+
+
+# -- through the server ------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def family_server(request, start_module_server, tmp_path_factory):
+    import os
+
+    path = build_tiny_family_model(tmp_path_factory.mktemp(request.param) / request.param, request.param)
+    before = os.environ.get("LMSP_CPU_DECODE")
+    os.environ["LMSP_CPU_DECODE"] = "0"  # read at load: llama serves through MLX, as on a Mac
+    try:
+        yield start_module_server("--model", str(path), "--model-id", "m", "--no-kv-disk", "--max-batch", "4")
+    finally:
+        os.environ.pop("LMSP_CPU_DECODE") if before is None else os.environ.__setitem__("LMSP_CPU_DECODE", before)
+
+
+def complete(server, prompt: list[int], max_tokens: int) -> str:
+    r = HTTP.post(server.url + "/v1/completions", timeout=120, json={
+        "model": "m", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True})
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]["text"]
+
+
+@pytest.mark.slow  # 450 decode steps twice per family: 3-5 s each
+def test_four_concurrent_requests_one_leaving_midway_get_their_tokens_alone(family_server):
+    """Prompts of 40, 9, 23 and 61 tokens (past the sliding window of 16); the second asks
+    for 12 tokens, the others for 150, so it leaves while they decode on."""
+    bodies = [([(at + 7 * i) % 250 + 5 for i in range(n)], m) for n, at, m in
+              ((40, 3, 150), (9, 11, 12), (23, 17, 150), (61, 5, 150))]
+    expected = [complete(family_server, *b) for b in bodies]
+    got: dict[int, str] = {}
+    threads = [threading.Thread(target=lambda i=i: got.__setitem__(i, complete(family_server, *bodies[i])))
+               for i in range(4)]
+    for t in threads:
+        t.start()
+    wait_for_metric(family_server, "lmsp_batch_sequences 4")
+    for t in threads:
+        t.join(timeout=120)
+    assert [got[i] for i in range(4)] == expected
+    assert "steps outside the batch" not in family_server.log()
+
+
+def test_every_route_answers(family_server):
+    url, user = family_server.url, {"role": "user", "content": "Hello there"}
+    replies = [
+        HTTP.post(url + "/lmsp/v1/responses", json=ask("Hello there", model="m", max_output_tokens=8)),
+        HTTP.post(url + "/v1/responses", json={"model": "m", "input": "Hello there", "max_output_tokens": 8}),
+        HTTP.post(url + "/v1/chat/completions", json={"model": "m", "messages": [user], "max_tokens": 8}),
+        HTTP.post(url + "/v1/completions", json={"model": "m", "prompt": "Hello there", "max_tokens": 8}),
+        HTTP.post(url + "/v1/messages", json={"model": "m", "messages": [user], "max_tokens": 8}),
+    ]
+    assert [r.status_code for r in replies] == [200] * 5, [r.text for r in replies if r.status_code != 200]
