@@ -13,13 +13,16 @@ the wrapped attention (kernels/install.py) passes `left_padding` to `decode_atte
 `first`. Every other consumer gets `make_mask`'s left-padded causal mask, as with
 BatchKVCache. `merge` builds one from sequences' own caches, `extract` gives one back,
 and `filter` / `extend` drop rows and add rows, as BatchKVCache's do.
+
+`write_row` puts one sequence into a free row of a batch, for this class and mlx-lm's
+plain and recurrent batch forms: a join that copies only the joiner.
 """
 
 from __future__ import annotations
 
 import mlx.core as mx
 from mlx_lm.models.base import create_causal_mask
-from mlx_lm.models.cache import QuantizedKVCache, _BaseCache
+from mlx_lm.models.cache import ArraysCache, BatchKVCache, CacheList, KVCache, QuantizedKVCache, _BaseCache
 
 Parts = tuple[mx.array, mx.array, mx.array]  # codes, scales, biases
 
@@ -177,3 +180,53 @@ class BatchQuantizedKVCache(_BaseCache):
     @property
     def nbytes(self) -> int:
         return 0 if self.keys is None else sum(a.nbytes for parts in (self.keys, self.values) for a in parts)
+
+
+# -- writing one sequence into a free row --------------------------------------------------------
+
+
+def write_row(batch, row: int, cache) -> bool:
+    """Put `cache` (one sequence's own cache of one layer) into row `row` of `batch` (that
+    layer's batch form), in place, copying only that sequence's state; False where this
+    batch form cannot take it there (a sliding-window batch, whose rows share one ring
+    position, or a sequence longer than the batch's positions), and then nothing changed.
+
+    The row's earlier content needs no clearing: a KV row's positions before the new
+    `left_padding` are masked, and a recurrent row's state is replaced whole."""
+    if type(batch) is CacheList:
+        if not all(fits(b, c) for b, c in zip(batch.caches, cache.caches)):
+            return False
+        return all([write_row(b, row, c) for b, c in zip(batch.caches, cache.caches)])
+    if not fits(batch, cache):
+        return False
+    if type(batch) is ArraysCache:
+        for e, state in enumerate(cache.cache):
+            batch.cache[e][row : row + 1] = state if state is not None else mx.zeros_like(batch.cache[e][:1])
+        return True
+    length = 0 if cache.keys is None else cache.offset
+    end = batch._idx
+    if length:
+        if type(batch) is BatchKVCache:
+            batch.keys[row : row + 1, :, end - length : end] = cache.keys[..., :length, :]
+            batch.values[row : row + 1, :, end - length : end] = cache.values[..., :length, :]
+        else:
+            for mine, theirs in ((batch.keys, cache.keys), (batch.values, cache.values)):
+                for a, b in zip(mine, theirs):
+                    a[row : row + 1, :, end - length : end] = b[..., :length, :]
+    batch.left_padding[row] = end - length
+    batch.offset[row] = length
+    return True
+
+
+def fits(batch, cache) -> bool:
+    """Whether `write_row` can put `cache` into a row of `batch`."""
+    if type(batch) is ArraysCache:
+        return type(cache) is ArraysCache and all(c is not None for c in batch.cache)
+    if type(batch) is CacheList:
+        return type(cache) is CacheList and all(fits(b, c) for b, c in zip(batch.caches, cache.caches))
+    if (type(batch), type(cache)) not in ((BatchKVCache, KVCache), (BatchQuantizedKVCache, QuantizedKVCache)):
+        return False
+    if batch.keys is None:
+        return False
+    length = 0 if cache.keys is None else cache.offset
+    return length <= batch._idx

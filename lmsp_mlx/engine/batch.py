@@ -14,9 +14,8 @@ forward for all where it can:
   cache/batch.py's `BatchQuantizedKVCache` for quantized ones (whose decode attention is
   the batched `decode_attention` kernel). A model that mixes kinds across its layers
   (gpt-oss, Gemma 3, Qwen3-Next, Nemotron-H) batches each layer in its own kind. The merge
-  is kept across steps: a sequence that joins is merged alone and appended (`extend`), one
-  that leaves is extracted alone and its row dropped (`filter`), so the others' caches are
-  never taken apart and rebuilt;
+  is kept across steps, and a join or leave copies only that sequence: a leaver's row is
+  extracted and left free, a joiner written into a free row (`Merged`);
 - the rest (a cache kind with no batch form, a cache of another layout than the batch's)
   step one by one through the model, each on its own cache. Why a sequence steps outside
   the batch is logged once, in one line.
@@ -32,12 +31,13 @@ import logging
 from typing import Callable
 
 import mlx.core as mx
+from mlx.utils import tree_flatten
 from mlx_lm.models.cache import (
     ArraysCache, BatchKVCache, BatchRotatingKVCache, CacheList, KVCache, QuantizedKVCache, RotatingKVCache,
     make_prompt_cache,
 )
 
-from ..cache.batch import BatchQuantizedKVCache
+from ..cache.batch import BatchQuantizedKVCache, fits, write_row
 
 from .events import Finished, GenerationEvent
 from .generate import GenerationParams
@@ -202,53 +202,88 @@ class Merged:
     """Sequences that decode through MLX in one forward: their caches merged, layer by
     layer, into each layer kind's batch form (`merge_layer`).
 
-    Invariant: a member's own cache list (`Sequence.cache`, which its session holds) is
-    stale while it is a member; its state is row `members.index(seq)` of `cache`, until
-    `release` extracts it back. Membership changes touch only who joins or leaves: a
-    joiner is merged alone and appended to every layer (`extend`); a leaver's row is
-    extracted and dropped (`filter`)."""
+    Invariants:
+    - `members[i]` is the sequence in row i of every layer's batch, or None for a free row.
+    - A member's own cache list (`Sequence.cache`, which its session holds) is stale while
+      it is a member; `release` extracts its row back into it.
+    - Membership changes copy only who joins or leaves. A leaver's row is extracted and
+      left free. A joiner is written into a free row where every layer's batch form can
+      take it there (`write_row`), else merged alone and appended (`extend`).
+    - Free rows still run in the forward (a dummy token, output unread; rows never see
+      each other). Once they are as many as the members, they are dropped (`filter`)."""
+
+    FREE_TOKEN = 0  # what a free row is fed: any valid id
 
     def __init__(self) -> None:
-        self.members: list[Sequence] = []
+        self.members: list[Sequence | None] = []
         self.cache: list = []
 
     def step(self, lm: LoadedModel, seqs: list[Sequence]) -> mx.array:
         """One token for each of `seqs` (one pending token each); their logits, in `seqs`' order."""
-        self._leave([i for i, m in enumerate(self.members) if not any(m is s for s in seqs)])
+        for i, m in enumerate(self.members):
+            if m is not None and not any(m is s for s in seqs):
+                self._leave(i)
         self._join([s for s in seqs if not any(s is m for m in self.members)])
-        tokens = mx.array([s.pending for s in self.members])
+        self._compact()
+        tokens = mx.array([m.pending if m is not None else [self.FREE_TOKEN] for m in self.members])
         logits = lm.model(tokens, cache=self.cache)[:, -1, :]
         order = [next(i for i, m in enumerate(self.members) if m is s) for s in seqs]
-        return logits if order == list(range(len(order))) else logits[mx.array(order)]
+        return logits if order == list(range(len(self.members))) else logits[mx.array(order)]
 
     def release(self, seq: Sequence) -> None:
-        """Hand `seq`'s state back to its own cache and drop its row; the others stay merged."""
-        self._leave([i for i, m in enumerate(self.members) if m is seq])
+        """Hand `seq`'s state back to its own cache and free its row; the others stay merged."""
+        for i, m in enumerate(self.members):
+            if m is seq:
+                self._leave(i)
 
     def release_all(self) -> None:
         for i, s in enumerate(self.members):
-            s.cache[:] = [c.extract(i) for c in self.cache]  # in place: the session holds this list
+            if s is not None:
+                s.cache[:] = [c.extract(i) for c in self.cache]  # in place: the session holds this list
         self.members, self.cache = [], []
 
+    def _leave(self, row: int) -> None:
+        seq = self.members[row]
+        seq.cache[:] = [c.extract(row) for c in self.cache]
+        # Copy the row out now: while the lazy copy still reads the batch's buffers, the next
+        # step's in-place write into them would copy them whole instead (5x a step at 8 x 4K).
+        mx.eval([a for _, a in tree_flatten([c.state for c in seq.cache]) if isinstance(a, mx.array)])
+        self.members[row] = None
+        if all(m is None for m in self.members):
+            self.members, self.cache = [], []
+
     def _join(self, joining: list[Sequence]) -> None:
-        if not joining:
+        if not self.members:
+            if joining:
+                self.cache = [merge_layer([s.cache[i] for s in joining]) for i in range(len(joining[0].cache))]
+                self.members = list(joining)
             return
-        batch = [merge_layer([s.cache[i] for s in joining]) for i in range(len(joining[0].cache))]
-        if self.members:
+        rest = []
+        for s in joining:
+            free = next((i for i, m in enumerate(self.members) if m is None), None)
+            if free is not None and all(fits(b, c) for b, c in zip(self.cache, s.cache)):
+                for b, c in zip(self.cache, s.cache):
+                    write_row(b, free, c)
+                self.members[free] = s
+                log.debug("a sequence joins the batch in free row %d", free)
+            else:
+                rest.append(s)
+        if rest:
+            self._drop_free()  # one copy for both: the free rows go as the new ones come
+            batch = [merge_layer([s.cache[i] for s in rest]) for i in range(len(rest[0].cache))]
             for mine, theirs in zip(self.cache, batch):
                 mine.extend(theirs)
-        else:
-            self.cache = batch
-        self.members += joining
+            self.members += rest
 
-    def _leave(self, rows: list[int]) -> None:
-        if not rows:
+    def _compact(self) -> None:
+        free = sum(m is None for m in self.members)
+        if free and free >= len(self.members) - free:
+            self._drop_free()
+
+    def _drop_free(self) -> None:
+        kept = [i for i, m in enumerate(self.members) if m is not None]
+        if len(kept) == len(self.members):
             return
-        if len(rows) == len(self.members):
-            return self.release_all()
-        for i in rows:
-            self.members[i].cache[:] = [c.extract(i) for c in self.cache]
-        kept = [i for i in range(len(self.members)) if i not in rows]
         keep = mx.array(kept, dtype=mx.int32)
         for c in self.cache:
             c.filter(keep)
