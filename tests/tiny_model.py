@@ -311,7 +311,7 @@ _FAMILY_BASE = {
 FAMILIES = tuple(_FAMILY_CONFIGS)
 
 
-def build_tiny_family_model(out: Path, arch: str, *, seed: int = 3) -> Path:
+def build_tiny_family_model(out: Path, arch: str, *, seed: int = 3, **sizes) -> Path:
     """A tiny random float32 model of an mlx-lm architecture in FAMILIES, 4 layers of width
     64, whose per-layer caches (make_prompt_cache) mix kinds: `llama` all KVCache;
     `qwen3_next` (MoE) and `qwen3_5` (dense, its text model alone) linear-attention layers
@@ -319,11 +319,12 @@ def build_tiny_family_model(out: Path, arch: str, *, seed: int = 3) -> Path:
     layers (RotatingKVCache, window 16) between full ones (KVCache); `nemotron_h` Mamba layers
     (ArraysCache) and an attention layer (KVCache), its MLP layer having no cache (so 3 caches
     for 4 layers); `kimi_linear` delta-attention layers (ArraysCache of 4) between MLA ones
-    (KVCache); `deepseek_v3` MLA layers (KVCache), the first dense, the rest MoE."""
+    (KVCache); `deepseek_v3` MLA layers (KVCache), the first dense, the rest MoE.
+    `sizes` override the config's sizes (benchmarks/architectures.py builds wider ones)."""
     import importlib
 
     out.mkdir(parents=True, exist_ok=True)
-    config = {"model_type": arch, "vocab_size": write_tokenizer(out), **_FAMILY_BASE, **_FAMILY_CONFIGS[arch]}
+    config = {"model_type": arch, "vocab_size": write_tokenizer(out), **_FAMILY_BASE, **_FAMILY_CONFIGS[arch], **sizes}
     module = importlib.import_module(f"mlx_lm.models.{arch}")
     mx.random.seed(seed)
     model = module.Model(module.ModelArgs.from_dict(config))
