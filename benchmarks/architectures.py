@@ -101,10 +101,14 @@ def table(rows: list[dict], widths: list[int]) -> None:
     for f in families:
         count = next(r["parameters"] for r in rows if r["family"] == f)
         cells = [f"{by[(f, 'lmsp-mlx', w)]:.1f} / {by[(f, 'mlx_lm.server', w)]:.1f} "
-                 f"({by[(f, 'lmsp-mlx', w)] / by[(f, 'mlx_lm.server', w)]:.2f}x)" for w in widths]
-        scale = [f"{by[(f, s, 8)] / by[(f, s, 1)]:.2f}x" if (f, s, 8) in by and (f, s, 1) in by else "-"
+                 f"({ratio(by[(f, 'lmsp-mlx', w)], by[(f, 'mlx_lm.server', w)])})" for w in widths]
+        scale = [ratio(by[(f, s, 8)], by[(f, s, 1)]) if (f, s, 8) in by and (f, s, 1) in by else "-"
                  for s in SERVERS]
         print(f"| {f} | {count / 1e6:.0f}M | " + " | ".join(cells) + " | " + " | ".join(scale) + " |")
+
+
+def ratio(a: float, b: float) -> str:
+    return f"{a / b:.2f}x" if b > 0 else "-"
 
 
 def plot(rows: list[dict], out: Path) -> None:

@@ -116,6 +116,21 @@ def same(a: list, b: list) -> bool:
     return len(a) == len(b) and all(x is y for x, y in zip(a, b))
 
 
+def test_a_multimodal_config_gives_its_text_models_context_and_vocabulary(tmp_path):
+    """Qwen3.5 and Gemma 3 checkpoints keep the language model's settings under
+    `text_config`: the context length and the vocabulary (which logit_bias is checked
+    against) come from there, not from defaults."""
+    import json
+
+    path = build_tiny_family_model(tmp_path / "qwen3_5", "qwen3_5")
+    flat = json.loads((path / "config.json").read_text())
+    text = {k: v for k, v in flat.items() if k != "model_type"} | {"max_position_embeddings": 8192}
+    (path / "config.json").write_text(json.dumps({"model_type": "qwen3_5", "text_config": text}))
+    lm = load_model(path)
+    assert lm.context_length == 8192
+    assert lm.vocab_size == flat["vocab_size"]
+
+
 # -- through the server ------------------------------------------------------------------------
 
 
@@ -178,7 +193,8 @@ def test_every_route_answers(family_server):
     replies = [
         HTTP.post(url + "/lmsp/v1/responses", json=ask("Hello there", model="m", max_output_tokens=8)),
         HTTP.post(url + "/v1/responses", json={"model": "m", "input": "Hello there", "max_output_tokens": 8}),
-        HTTP.post(url + "/v1/chat/completions", json={"model": "m", "messages": [user], "max_tokens": 8}),
+        HTTP.post(url + "/v1/chat/completions", json={"model": "m", "messages": [user], "max_tokens": 8,
+                                                       "logit_bias": {"2": -100}}),  # the vocabulary is known
         HTTP.post(url + "/v1/completions", json={"model": "m", "prompt": "Hello there", "max_tokens": 8}),
         HTTP.post(url + "/v1/messages", json={"model": "m", "messages": [user], "max_tokens": 8}),
     ]

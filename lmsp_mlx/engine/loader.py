@@ -48,11 +48,8 @@ class LoadedModel:
     kv_cache: str = "float"  # or "<bits>-bit, group <n>" under --kv-bits
     default_max_output_tokens: int | None = None  # --max-output-tokens: a request's limit when it sets none
     adapter: Path | None = None  # the LoRA adapter fused into its weights (--adapter-path)
+    vocab_size: int | None = None  # its embedding rows (its logits' width): every token id is below it
 
-    @property
-    def vocab_size(self) -> int | None:
-        """The model's embedding rows (its logits' width): every token id is below it."""
-        return getattr(getattr(self.model, "args", None), "vocab_size", None)
 
     def describe(self) -> dict[str, Any]:
         doc = {
@@ -282,7 +279,8 @@ def load_model(path: Path, *, model_id: str | None = None, ctx: int | None = Non
         log.info("kernels for %s (LMSP_KERNELS=%s, backend %s): %s", name, kernels.mode(),
                  kernels.backend() or "cpu: compiled CPU kernels where they take the call, else references",
                  ", ".join(swapped))
-    trained = int(config.get("max_position_embeddings") or config.get("max_seq_len") or 4096)
+    text = text_config(config)
+    trained = int(text.get("max_position_embeddings") or text.get("max_seq_len") or 4096)
     context_length = ctx or trained
     if context_length > trained:
         log.warning("--ctx %d exceeds the %d positions %s was trained on", ctx, trained, name)
@@ -305,4 +303,12 @@ def load_model(path: Path, *, model_id: str | None = None, ctx: int | None = Non
         capabilities=CAPABILITIES + (("reasoning",) if getattr(tokenizer, "has_thinking", False) else ()),
         fingerprint=fingerprint(path, f"{backend}:{quantization}", adapter),
         adapter=adapter,
+        vocab_size=int(text["vocab_size"]) if text.get("vocab_size") else None,
     )
+
+
+def text_config(config: dict) -> dict:
+    """The language model's settings: a multimodal checkpoint (Qwen3.5, Gemma 3, ...) keeps
+    them under `text_config`, which wins over the top level; a text-only one at the top."""
+    inner = config.get("text_config")
+    return {**config, **inner} if isinstance(inner, dict) else config
