@@ -161,8 +161,8 @@ def suffix_turns(session_tokens: int, lengths: list[int]) -> list[dict]:
         suffix = lm.tokenizer.encode(" then the tide turned" * n, add_special_tokens=False)[:n]
         params = GenerationParams(prompt=base + suffix, max_tokens=1, temperature=0.0, cached=len(base))
         ours = best(lambda c: generate(lm, params, emit=lambda e: None, cache=c))
-        bare = best(lambda c: mx.eval(lm.model(mx.array([suffix]), cache=c)))
-        step = best(lambda c: mx.eval(lm.model(mx.array([suffix[:1]]), cache=c)))
+        bare = best(lambda c: mx.eval(lm.runner.forward(mx.array([suffix]), c)))
+        step = best(lambda c: mx.eval(lm.runner.forward(mx.array([suffix[:1]]), c)))
         rows.append({"suffix_tokens": n, "ttft_s": ours, "prefill_s": bare, "step_s": step,
                      "ratio": ours / (bare + step)})
         print(f"suffix {n:4d}: first token {ours * 1000:6.0f} ms, bare prefill {bare * 1000:6.0f} ms + "

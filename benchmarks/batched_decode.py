@@ -78,11 +78,12 @@ def merged(seqs: list[list]) -> list:
     return batch
 
 
-def batched_rate(model, batch: list, b: int) -> float:
+def batched_rate(forward, batch: list, b: int) -> float:
+    """`forward(tokens, cache)`: a runner's, or a bare model's pass."""
     tokens = mx.full((b, 1), 42, mx.int32)
     start = time.perf_counter()
     for _ in range(STEPS):
-        tokens = mx.argmax(model(tokens, cache=batch)[:, -1:], axis=-1)
+        tokens = mx.argmax(forward(tokens, batch)[:, -1:], axis=-1)
         mx.eval(tokens)
     rate = b * STEPS / (time.perf_counter() - start)
     for c in batch:
@@ -90,11 +91,11 @@ def batched_rate(model, batch: list, b: int) -> float:
     return rate
 
 
-def compiled_rate(model, seqs: list[list]) -> float:
+def compiled_rate(batch_step, seqs: list[list]) -> float:
     feeds = [[42] for _ in seqs]
     start = time.perf_counter()
     for _ in range(STEPS):
-        logits = model.batch_step(feeds, seqs)
+        logits = batch_step(feeds, seqs)
         feeds = [[int(t)] for t in mx.argmax(logits, axis=-1).tolist()]
     rate = len(seqs) * STEPS / (time.perf_counter() - start)
     for s in seqs:
@@ -103,12 +104,12 @@ def compiled_rate(model, seqs: list[list]) -> float:
     return rate
 
 
-def one_by_one_rate(model, seqs: list[list]) -> float:
+def one_by_one_rate(forward, seqs: list[list]) -> float:
     start = time.perf_counter()
     for s in seqs:
         token = mx.array([[42]])
         for _ in range(STEPS):
-            token = mx.argmax(model(token, cache=s)[:, -1:], axis=-1)
+            token = mx.argmax(forward(token, s)[:, -1:], axis=-1)
             mx.eval(token)
     rate = len(seqs) * STEPS / (time.perf_counter() - start)
     for s in seqs:
@@ -130,7 +131,7 @@ def moe_model():
     model = qwen3_moe.Model(qwen3_moe.ModelArgs.from_dict(config))
     nn.quantize(model, group_size=GROUP, bits=BITS, class_predicate=lambda _, m: hasattr(m, "num_experts"))
     mx.eval(model.parameters())
-    kernels.install(model)
+    kernels.expert_layers(model)
     return model
 
 
@@ -152,11 +153,11 @@ def main() -> None:
         for b in batches:
             seqs = filled(lm.model, [n - STAGGER * i for i in range(b)], quantized=True)
             batch = merged(seqs)
-            runs = {"compiled batch": lambda: compiled_rate(lm.model, seqs),
-                    "merged, kernel": lambda: batched_rate(lm.model, batch, b),
-                    "merged, no kernel": lambda: batched_rate(lm.model, batch, b),
-                    "one by one": lambda: one_by_one_rate(lm.model, seqs)}
-            if not hasattr(lm.model, "batch_step"):
+            runs = {"compiled batch": lambda: compiled_rate(lm.runner.batch, seqs),
+                    "merged, kernel": lambda: batched_rate(lm.runner.forward, batch, b),
+                    "merged, no kernel": lambda: batched_rate(lm.runner.forward, batch, b),
+                    "one by one": lambda: one_by_one_rate(lm.runner.forward, seqs)}
+            if lm.runner.batch is None:
                 del runs["compiled batch"]
             best = dict.fromkeys(runs, 0.0)
             for _ in range(args.repeats):
@@ -178,7 +179,7 @@ def main() -> None:
             for path, mode in PATHS.items():
                 os.environ["LMSP_KERNELS"] = mode
                 batch = merged(seqs)
-                best[path] = max(best[path], batched_rate(moe, batch, b))
+                best[path] = max(best[path], batched_rate(lambda t, c: moe(t, cache=c), batch, b))
         rows += [{"model": "qwen3_moe random (32 experts, top 4)", "kv": "float", "positions": args.moe_positions,
                   "batch": b, "path": path, "tok_s": round(r, 2)} for path, r in best.items()]
         print(f"qwen3_moe, {args.moe_positions} positions, B={b}: "

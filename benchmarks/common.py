@@ -223,16 +223,41 @@ MLX_LM_WRAPPER = """
 import sys
 from lmsp_mlx.cpu_blas import accelerate
 accelerate()  # routes MLX's float32 matmuls to OpenBLAS before mlx.core loads
-import mlx_lm.server as server
-from lmsp_mlx.engine import cpu_decode, cpu_math, cpu_prefill
+from pathlib import Path
 
-original = server.load
-def load(*args, **kwargs):
-    result = original(*args, **kwargs)
-    cpu_math.install(result[0])  # the fused prefill kernels lmsp-mlx uses on the CPU
-    cpu_prefill.install(result[0])  # its compiled prefill
-    cpu_decode.install(result[0])  # and its compiled decode step
-    return result
+import mlx.nn as nn
+import mlx_lm.server as server
+from lmsp_mlx.engine import cpu_math
+from lmsp_mlx.engine.model_ops import build
+from lmsp_mlx.engine.runners import choose
+
+
+class Runs(nn.Module):
+    # The peer's model: its passes go through lmsp-mlx's runner (the compiled CPU steps
+    # where they take the model), everything else to the model itself.
+    def __init__(self, runner):
+        super().__init__()
+        self.inner = runner.model
+        self._runner = runner
+
+    def __call__(self, inputs, cache=None, input_embeddings=None):
+        if cache is None or input_embeddings is not None:
+            return self.inner(inputs, cache=cache, input_embeddings=input_embeddings)
+        return self._runner.forward(inputs, cache)
+
+    def __getattr__(self, key):
+        if key in ("inner", "_runner"):
+            return super().__getattr__(key)
+        return getattr(self.inner, key)
+
+
+def load(path, adapter_path=None, return_config=False, **kwargs):
+    built = build(Path(path), "cpu", None)  # lmsp-mlx's CPU math bound in its copy of the model's module
+    cpu_math.wrap_ropes(built.model)
+    model = Runs(choose(built.model, "cpu", str(path)))
+    return (model, built.tokenizer, built.config) if return_config else (model, built.tokenizer)
+
+
 server.load = load
 sys.argv = ["mlx_lm.server", *sys.argv[1:]]
 server.main()

@@ -75,11 +75,11 @@ def filled(model, n: int, bits: int) -> tuple[list, list]:
     return quantized, plain
 
 
-def decode_rate(model, cache: list) -> float:
+def decode_rate(runner, cache: list) -> float:
     token = mx.array([[42]])
     start = time.perf_counter()
     for _ in range(STEPS):
-        token = mx.argmax(model(token, cache=cache)[:, -1:], axis=-1)
+        token = mx.argmax(runner.forward(token, cache)[:, -1:], axis=-1)
         mx.eval(token)
     rate = STEPS / (time.perf_counter() - start)
     for c in cache:
@@ -87,10 +87,10 @@ def decode_rate(model, cache: list) -> float:
     return rate
 
 
-def prefill_rate(model, tokens: list[int], cache: list) -> float:
+def prefill_rate(runner, tokens: list[int], cache: list) -> float:
     start = time.perf_counter()
     for at in range(0, len(tokens), CHUNK):
-        mx.eval(model.model(mx.array([tokens[at : at + CHUNK]]), cache=cache))
+        mx.eval(runner.hidden(mx.array([tokens[at : at + CHUNK]]), cache=cache))
     return len(tokens) / (time.perf_counter() - start)
 
 
@@ -124,7 +124,7 @@ def main() -> None:
 
     lm = load_model(args.model or ensure_packaged_model(DEFAULT_MODEL, default_models_dir()))
     model, rows = lm.model, []
-    if not hasattr(model, "decode_step"):
+    if lm.runner.kind != "compiled-cpu" or lm.runner.step is None:
         sys.exit(f"{lm.id}: the compiled decode step does not take this model or build; nothing to compare")
     for n in [int(x) for x in args.positions.split(",") if x]:
         quantized, plain = filled(model, n, args.bits)
@@ -132,7 +132,7 @@ def main() -> None:
         for _ in range(args.repeats):
             for path, (passes, kernels, is_quantized) in DECODE.items():
                 use(passes, kernels)
-                best[path] = max(best[path], decode_rate(model, quantized if is_quantized else plain))
+                best[path] = max(best[path], decode_rate(lm.runner, quantized if is_quantized else plain))
         rows += [{"phase": "decode", "tokens": n, "path": path, "tok_s": round(r, 2)} for path, r in best.items()]
         print(f"decode, {n} positions: " + "; ".join(f"{k} {v:.1f} tok/s" for k, v in best.items()), flush=True)
     rng = np.random.default_rng(0)
@@ -144,7 +144,7 @@ def main() -> None:
                 use(passes, "auto")
                 cache = ([QuantizedKVCache(group_size=GROUP, bits=args.bits) for _ in model.layers] if is_quantized
                          else [KVCache() for _ in model.layers])
-                best[path] = max(best[path], prefill_rate(model, tokens, cache))
+                best[path] = max(best[path], prefill_rate(lm.runner, tokens, cache))
         rows += [{"phase": "prefill", "tokens": n, "path": path, "tok_s": round(r, 1)} for path, r in best.items()]
         print(f"prefill, {n} tokens: " + "; ".join(f"{k} {v:.0f} tok/s" for k, v in best.items()), flush=True)
 

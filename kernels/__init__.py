@@ -12,13 +12,14 @@ faster) elsewhere, so everything runs on the CPU build.
 - decode_attention: one query step against mlx-lm's QuantizedKVCache (4/8 bits), grouped
   query heads, K/V dequantized on the fly with an online softmax; used for `--kv-bits`.
 
-install(model) swaps both into a loaded model (engine/loader.py does, on every backend).
+engine/model_ops.py puts both into a loaded model on every backend (install.py's
+`expert_layers` and `attention_op`), without changing mlx-lm.
 """
 
 from .attention import decode_attention
 from .dispatch import backend, mode
 from .experts import expert_swiglu
-from .install import KernelSwitchGLU, install
+from .install import KernelSwitchGLU, attention_op, expert_layers
 from .quantized import QuantizedExperts
 
-__all__ = ["KernelSwitchGLU", "QuantizedExperts", "backend", "decode_attention", "expert_swiglu", "install", "mode"]
+__all__ = ["KernelSwitchGLU", "QuantizedExperts", "backend", "decode_attention", "attention_op", "expert_layers", "expert_swiglu", "mode"]

@@ -1,23 +1,26 @@
-"""Swapping the kernels into a loaded mlx-lm model (every backend; off with LMSP_KERNELS=off).
+"""How the kernels enter a loaded mlx-lm model (every backend; off with LMSP_KERNELS=off).
 
+Nothing here changes mlx-lm: the loader owns both seams.
 - MoE layers: each SwitchGLU whose three projections are affine-quantized
-  QuantizedSwitchLinear (qwen3_moe, deepseek_v2/v3, mixtral, ...) becomes a
-  KernelSwitchGLU: the same module and parameters, whose decode and small-batch calls go
-  through expert_swiglu (up to 32 tokens on a GPU, 64 on the CPU build; a batch's tokens
-  that chose one expert share its reads). Larger calls keep mlx-lm's sorted gather_qmm
-  path, which is what it is built for, and so does any call the dispatch gives no kernel
-  (its `builtin`).
-- Attention: the model module's `scaled_dot_product_attention` is wrapped so that a
-  one-position query against a QuantizedKVCache (`--kv-bits`), or against a batch of them
-  (a BatchQuantizedKVCache: each row from its own first position), goes through
-  decode_attention (the reference where its kernel does not run). On the CPU build a
-  prompt chunk against such a cache runs on the cache dequantized (cpu.prefill_attention)
-  rather than MLX's slow CPU quantized_matmul. Everything else is passed on unchanged.
+  QuantizedSwitchLinear (qwen3_moe, deepseek_v2/v3, mixtral, ...) is replaced in the
+  model's tree by a KernelSwitchGLU holding the same projections (`expert_layers`, the way
+  `nn.quantize` replaces a Linear). Its decode and small-batch calls go through
+  expert_swiglu (up to 32 tokens on a GPU, 64 on the CPU build; a batch's tokens that
+  chose one expert share its reads). Larger calls keep mlx-lm's sorted gather_qmm path,
+  which is what it is built for, and so does any call the dispatch gives no kernel (its
+  `builtin`).
+- Attention: `attention_op(inner)` is the attention function the loader binds in its own
+  copy of the model's module (engine/model_ops.py). A one-position query against a
+  QuantizedKVCache (`--kv-bits`), or against a batch of them (a BatchQuantizedKVCache:
+  each row from its own first position), goes through decode_attention (the reference
+  where its kernel does not run). On the CPU build a prompt chunk against such a cache
+  runs on the cache dequantized (cpu.prefill_attention) rather than MLX's slow CPU
+  quantized_matmul. Everything else goes to `inner` unchanged.
 """
 
 from __future__ import annotations
 
-import sys
+from typing import Callable
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -41,6 +44,15 @@ MAX_TOKENS = {"gpu": 32, "cpu": 64}
 class KernelSwitchGLU(SwitchGLU):
     """mlx-lm's SwitchGLU, with decode and small batches on the expert kernel."""
 
+    @classmethod
+    def of(cls, layer: SwitchGLU) -> "KernelSwitchGLU":
+        """A KernelSwitchGLU holding `layer`'s projections and activation (no copy of a weight)."""
+        new = cls.__new__(cls)
+        nn.Module.__init__(new)
+        new.gate_proj, new.up_proj, new.down_proj = layer.gate_proj, layer.up_proj, layer.down_proj
+        new.activation = layer.activation
+        return new
+
     def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
         if indices.size // indices.shape[-1] > MAX_TOKENS["gpu" if backend() else "cpu"]:
             return super().__call__(x, indices)
@@ -49,7 +61,7 @@ class KernelSwitchGLU(SwitchGLU):
                              builtin=lambda: super(KernelSwitchGLU, self).__call__(x, indices))
 
 
-def _eligible(layer: nn.Module) -> bool:
+def _eligible(layer: object) -> bool:
     if type(layer) is not SwitchGLU or type(layer.activation) is not SwiGLU:
         return False
     projections = (layer.gate_proj, layer.up_proj, layer.down_proj)
@@ -60,24 +72,29 @@ def _eligible(layer: nn.Module) -> bool:
     )
 
 
-def _model_module(model: nn.Module):
-    """The mlx-lm module that defines the model (its class may be an engine subclass)."""
-    for cls in type(model).__mro__:
-        if cls.__module__.startswith("mlx_lm.models."):
-            return sys.modules[cls.__module__]
-    return None
+def expert_layers(model: nn.Module) -> int:
+    """Replace each eligible SwitchGLU in `model`'s tree by a KernelSwitchGLU over the same
+    projections; returns how many. Under LMSP_KERNELS=off, none."""
+    if mode() == "off":
+        return 0
+    found = [(parent, key) for parent in model.modules() for key, child in parent.items() if _eligible(child)]
+    for parent, key in found:
+        parent[key] = KernelSwitchGLU.of(parent[key])
+    return len(found)
 
 
-def _wrap_attention(module) -> bool:
-    current = getattr(module, "scaled_dot_product_attention", None)
-    if current is None or getattr(current, "lmsp_decode_attention", False):
-        return current is not None
+def attention_op(inner: Callable, quantized: tuple[type, ...]) -> Callable | None:
+    """The model module's attention function with caches of the `quantized` kinds (each with
+    `bits` and `group_size`: `--kv-bits` caches and their batch form) on decode_attention,
+    `inner` taking everything else; None under LMSP_KERNELS=off."""
+    if mode() == "off":
+        return None
 
     def scaled_dot_product_attention(queries, keys, values, cache, scale, mask, sinks=None):
         # No `builtin` fallback for decode: where no kernel runs, the reference does, which
         # on the CPU build beat mlx-lm's two-quantized_matmul attention (1.1-1.9x at 8K-32K
         # positions in float32, 16x with float16 caches) and never holds an N-long score row.
-        if hasattr(cache, "bits") and mode() != "off":
+        if isinstance(cache, quantized):
             # A batch of sequences (cache/batch.py's BatchQuantizedKVCache) has a left-padded
             # mask; its padding is all the mask says for one position, and goes as `first`.
             first = getattr(cache, "left_padding", None)
@@ -86,24 +103,6 @@ def _wrap_attention(module) -> bool:
             if backend() is None and keys[0].shape[-1] == values[0].shape[-1]:  # a prompt chunk, CPU build
                 return cpu.prefill_attention(queries, keys, values, scale, mask, cache.group_size, cache.bits,
                                              sinks)
-        return current(queries, keys, values, cache, scale=scale, mask=mask, sinks=sinks)
+        return inner(queries, keys, values, cache, scale=scale, mask=mask, sinks=sinks)
 
-    scaled_dot_product_attention.lmsp_decode_attention = True
-    module.scaled_dot_product_attention = scaled_dot_product_attention
-    return True
-
-
-def install(model: nn.Module) -> list[str]:
-    """Swap the kernels in where they apply; returns what was swapped, for the load log."""
-    if mode() == "off":
-        return []
-    done = []
-    moe = [m for _, m in model.named_modules() if _eligible(m)]
-    for layer in moe:
-        layer.__class__ = KernelSwitchGLU
-    if moe:
-        done.append(f"expert_swiglu ({len(moe)} MoE layers)")
-    module = _model_module(model)
-    if module is not None and _wrap_attention(module):
-        done.append("decode_attention (--kv-bits caches)")
-    return done
+    return scaled_dot_product_attention

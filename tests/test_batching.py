@@ -114,7 +114,7 @@ def test_through_mlx_the_merged_batch_gives_the_tokens_each_gets_alone(tiny_mode
     logits differ in the last bits; the tiny model's greedy tokens have no near-tie."""
     monkeypatch.setenv("LMSP_CPU_DECODE", "0")
     lm = load_model(tiny_model_dir)
-    assert not hasattr(lm.model, "batch_step")
+    assert lm.runner.batch is None
     params = [p for p in settings(lm) if p.constraint is None]
     expected = [alone(lm, p) for p in params]
     seqs = [Sequence(lm, p, make_prompt_cache(lm.model), emit=lambda e: None) for p in params]

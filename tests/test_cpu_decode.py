@@ -12,6 +12,7 @@ from mlx_lm.models.cache import KVCache, QuantizedKVCache, RotatingKVCache, make
 
 from lmsp_mlx import cpu_blas
 from lmsp_mlx.engine import cpu_decode, cpu_math
+from lmsp_mlx.engine.runners import CompiledCPURunner, MLXRunner
 
 from tests.tiny_model import _config
 
@@ -26,27 +27,34 @@ def kernels_auto(monkeypatch):
 
 
 def tiny(kind: str, **overrides):
-    """A random float32 model of an architecture the step supports, with cpu_math's swaps."""
+    """A random float32 model of an architecture the step supports, its RoPE fused as the loader does."""
     mx.random.seed(3)
     config = {**_config(300, 4096), "head_dim": 16, **overrides}
     module = {"llama": llama, "qwen2": qwen2}[kind]
     model = module.Model(module.ModelArgs.from_dict({**config, "model_type": kind}))
     mx.eval(model.parameters())
-    cpu_math.install(model)
+    cpu_math.wrap_ropes(model)
     return model
 
 
-def steps(model, prompt: list[int], n: int, fast: bool, cache=None):
-    """Greedy tokens, per-step logits and the cache after `n` one-token steps."""
-    plain = type(model).__mro__[1] if hasattr(model, "decode_step") else type(model)
+def compiled(model) -> CompiledCPURunner:
+    """The compiled CPU runner over `model`, with the decode steps only (MLX prefills)."""
+    found = cpu_decode.decode_steps(model)
+    assert found is not None
+    return CompiledCPURunner(model, *found, None)
+
+
+def steps(runner, prompt: list[int], n: int, cache=None):
+    """Greedy tokens, per-step logits and the cache after MLX's pass over `prompt` and `n`
+    one-token steps through `runner`."""
+    model = runner.model
     cache = cache or make_prompt_cache(model)
-    logits = plain.__call__(model, mx.array([prompt]), cache=cache)[0, -1]
+    logits = model(mx.array([prompt]), cache=cache)[0, -1]
     tokens, seen = [], []
     for _ in range(n):
         token = int(mx.argmax(logits).item())
         tokens.append(token)
-        call = model if fast else (lambda x, cache: plain.__call__(model, x, cache=cache))
-        logits = call(mx.array([[token]]), cache=cache)[0, -1]
+        logits = runner.forward(mx.array([[token]]), cache)[0, -1]
         seen.append(np.array(logits))
     return tokens, seen, cache
 
@@ -58,9 +66,8 @@ def steps(model, prompt: list[int], n: int, fast: bool, cache=None):
 ])
 def test_decode_steps_match_mlx_across_a_cache_growth(kind, overrides):
     model = tiny(kind, **overrides)
-    reference = steps(model, list(range(20, 40)), 260, fast=False)
-    assert cpu_decode.install(model)
-    got = steps(model, list(range(20, 40)), 260, fast=True)  # 280 positions: the cache grows past 256
+    reference = steps(MLXRunner(model), list(range(20, 40)), 260)
+    got = steps(compiled(model), list(range(20, 40)), 260)  # 280 positions: the cache grows past 256
     assert got[0] == reference[0]
     worst = max(float(np.abs(a - b).max() / (np.abs(b).max() + 1e-6)) for a, b in zip(got[1], reference[1]))
     assert worst < 1e-5
@@ -80,7 +87,7 @@ def test_the_batched_step_gives_each_sequence_bitwise_its_own_steps_logits(kind,
     """Sequences at different positions (one past a cache growth at 256), each on its own
     cache, stepped together: every row is what the one-sequence step gives it."""
     model = tiny(kind, **overrides)
-    assert cpu_decode.install(model)
+    runner = compiled(model)
     prompts = [[3], list(range(5, 12)), [4] * 255, [9, 8, 7]]
 
     def prefilled(prompt):
@@ -94,13 +101,13 @@ def test_the_batched_step_gives_each_sequence_bitwise_its_own_steps_logits(kind,
     for prompt in prompts:
         cache, token, rows = prefilled(prompt), prompt[-1], []
         for _ in range(4):
-            rows.append(np.array(model(mx.array([[token]]), cache=cache)[0, -1]))
+            rows.append(np.array(runner.forward(mx.array([[token]]), cache)[0, -1]))
             token = int(np.argmax(rows[-1]))
         alone.append(rows)
-    calls = counted(model.batch_step, "lmsp_decode_batch", monkeypatch)
+    calls = counted(runner.batch, "lmsp_decode_batch", monkeypatch)
     caches, tokens, rows = [prefilled(p) for p in prompts], [p[-1] for p in prompts], [[] for _ in prompts]
     for _ in range(4):
-        logits = np.array(model.batch_step([[t] for t in tokens], caches))
+        logits = np.array(runner.batch([[t] for t in tokens], caches))
         for i, row in enumerate(logits):
             rows[i].append(row)
         tokens = [int(np.argmax(r)) for r in logits]
@@ -115,7 +122,7 @@ def test_a_short_chunk_as_rows_of_the_batched_step_is_its_tokens_stepped_one_by_
     row) attends causally: its K/V and its last logits are bitwise those of stepping its
     tokens one at a time."""
     model = tiny("llama")
-    assert cpu_decode.install(model)
+    runner = compiled(model)
     prompt, chunk = list(range(5, 40)), [7, 8, 9, 10, 11, 12]
 
     def prefilled(tokens):
@@ -126,9 +133,9 @@ def test_a_short_chunk_as_rows_of_the_batched_step_is_its_tokens_stepped_one_by_
 
     one_by_one = prefilled(prompt)
     for t in chunk:
-        last = np.array(model(mx.array([[t]]), cache=one_by_one)[0, -1])
+        last = np.array(runner.forward(mx.array([[t]]), one_by_one)[0, -1])
     other, rows = prefilled([3, 4]), prefilled(prompt)
-    logits = np.array(model.batch_step([[9], chunk], [other, rows]))
+    logits = np.array(runner.batch([[9], chunk], [other, rows]))
     assert np.array_equal(logits[1], last)
     n = len(prompt) + len(chunk)
     assert rows[0].offset == one_by_one[0].offset == n and other[0].offset == 3
@@ -138,13 +145,13 @@ def test_a_short_chunk_as_rows_of_the_batched_step_is_its_tokens_stepped_one_by_
 
 def test_the_batched_step_takes_one_kind_of_cache_at_a_time():
     model = tiny("llama", head_dim=64)
-    assert cpu_decode.install(model)
+    runner = compiled(model)
     four = lambda: [QuantizedKVCache(group_size=32, bits=4) for _ in model.layers]  # noqa: E731
-    assert model.batch_step.kind(make_prompt_cache(model)) == (0, 0)
-    assert model.batch_step.kind(four()) == (4, 32)
+    assert runner.batch.kind(make_prompt_cache(model)) == (0, 0)
+    assert runner.batch.kind(four()) == (4, 32)
     # a plain and a quantized cache, or two widths, in one call: nothing written, the caller steps them apart
-    assert model.batch_step([[1], [2]], [make_prompt_cache(model), four()]) is None
-    assert model.batch_step([[1], [2]], [four(), [QuantizedKVCache(group_size=64, bits=8) for _ in model.layers]]) is None
+    assert runner.batch([[1], [2]], [make_prompt_cache(model), four()]) is None
+    assert runner.batch([[1], [2]], [four(), [QuantizedKVCache(group_size=64, bits=8) for _ in model.layers]]) is None
 
 
 @pytest.mark.parametrize("bits, group", [(4, 32), (8, 64)])
@@ -155,7 +162,7 @@ def test_the_batched_step_over_quantized_caches_gives_each_sequence_bitwise_its_
     the one-sequence step gives it (its attention split as that step splits it), and the
     caches hold the same codes."""
     model = tiny("llama", head_dim=64, num_attention_heads=6, num_key_value_heads=2)
-    assert cpu_decode.install(model)
+    runner = compiled(model)
     prompts = [[3], [t % 300 for t in range(5, 1305)], [4] * 255, [9, 8, 7]]
 
     def prefilled(prompt):
@@ -169,14 +176,14 @@ def test_the_batched_step_over_quantized_caches_gives_each_sequence_bitwise_its_
     for prompt in prompts:
         cache, token, rows = prefilled(prompt), prompt[-1], []
         for _ in range(3):
-            rows.append(np.array(model(mx.array([[token]]), cache=cache)[0, -1]))
+            rows.append(np.array(runner.forward(mx.array([[token]]), cache)[0, -1]))
             token = int(np.argmax(rows[-1]))
         alone.append(rows)
         alone_caches.append(cache)
-    calls = counted(model.batch_step, "lmsp_decode_batch", monkeypatch)
+    calls = counted(runner.batch, "lmsp_decode_batch", monkeypatch)
     caches, tokens, rows = [prefilled(p) for p in prompts], [p[-1] for p in prompts], [[] for _ in prompts]
     for _ in range(3):
-        logits = np.array(model.batch_step([[t] for t in tokens], caches))
+        logits = np.array(runner.batch([[t] for t in tokens], caches))
         for i, row in enumerate(logits):
             rows[i].append(row)
         tokens = [int(np.argmax(r)) for r in logits]
@@ -209,8 +216,8 @@ def counted(holder, function: str, monkeypatch) -> list[int]:
     return calls
 
 
-def compiled_steps(model, monkeypatch) -> list[int]:
-    return counted(model.decode_step, "lmsp_decode_step", monkeypatch)
+def compiled_steps(runner, monkeypatch) -> list[int]:
+    return counted(runner.step, "lmsp_decode_step", monkeypatch)
 
 
 @pytest.mark.parametrize("bits, group, heads, prompt, n", [
@@ -227,10 +234,10 @@ def test_decode_steps_over_a_quantized_cache_match_mlx(bits, group, heads, promp
     model = tiny("llama", head_dim=heads[2], num_attention_heads=heads[0], num_key_value_heads=heads[1])
     quantized = lambda: [QuantizedKVCache(group_size=group, bits=bits) for _ in model.layers]  # noqa: E731
     tokens = [int(t) % 300 for t in range(7, 7 + 3 * prompt, 3)]
-    reference = steps(model, tokens, n, fast=False, cache=quantized())
-    assert cpu_decode.install(model)
-    calls = compiled_steps(model, monkeypatch)
-    got = steps(model, tokens, n, fast=True, cache=quantized())
+    reference = steps(MLXRunner(model), tokens, n, cache=quantized())
+    runner = compiled(model)
+    calls = compiled_steps(runner, monkeypatch)
+    got = steps(runner, tokens, n, cache=quantized())
     assert len(calls) == n  # a full cache is grown, and the step stays compiled
     assert got[0] == reference[0]
     worst = max(float(np.abs(a - b).max() / (np.abs(b).max() + 1e-6)) for a, b in zip(got[1], reference[1]))
@@ -251,26 +258,26 @@ def test_decode_steps_over_a_quantized_cache_match_mlx(bits, group, heads, promp
 
 def test_other_caches_and_multi_token_inputs_go_through_mlx(monkeypatch):
     model = tiny("llama")
-    assert cpu_decode.install(model)
+    runner = compiled(model)
     # A sliding-window cache is not the step's layout: MLX runs it, with the same result.
     rotating = [RotatingKVCache(max_size=32) for _ in model.layers]
-    want = steps(model, [5, 6, 7], 40, fast=False, cache=[RotatingKVCache(max_size=32) for _ in model.layers])
-    got = steps(model, [5, 6, 7], 40, fast=True, cache=rotating)
+    want = steps(MLXRunner(model), [5, 6, 7], 40, cache=[RotatingKVCache(max_size=32) for _ in model.layers])
+    got = steps(runner, [5, 6, 7], 40, cache=rotating)
     assert got[0] == want[0]
     # A quantized cache under LMSP_KERNELS=reference or off (attention.c kept out), or of a
     # width the step does not read (3 bits): MLX's path, with MLX's tokens.
     model64 = tiny("llama", head_dim=64)
-    assert cpu_decode.install(model64)
-    calls = compiled_steps(model64, monkeypatch)
+    runner64 = compiled(model64)
+    calls = compiled_steps(runner64, monkeypatch)
     for kernels, bits in (("reference", 4), ("off", 8), ("auto", 3)):
         monkeypatch.setenv("LMSP_KERNELS", kernels)
         quantized = lambda: [QuantizedKVCache(group_size=32, bits=bits) for _ in model64.layers]  # noqa: E731
-        assert steps(model64, [5, 6, 7], 8, fast=True, cache=quantized())[0] == steps(
-            model64, [5, 6, 7], 8, fast=False, cache=quantized())[0]
+        assert steps(runner64, [5, 6, 7], 8, cache=quantized())[0] == steps(
+            MLXRunner(model64), [5, 6, 7], 8, cache=quantized())[0]
     assert calls == []
     # Several tokens at once (prefill, the first pass): MLX's path.
     cache = make_prompt_cache(model)
-    out = model(mx.array([[1, 2, 3]]), cache=cache)
+    out = runner.forward(mx.array([[1, 2, 3]]), cache)
     assert out.shape[:2] == (1, 3) and type(cache[0]) is KVCache and cache[0].offset == 3
 
 
@@ -279,9 +286,9 @@ def test_models_it_does_not_know_are_left_alone(monkeypatch):
     import mlx.nn as nn
 
     nn.quantize(quantized, group_size=32, bits=8)
-    assert not cpu_decode.install(quantized)
+    assert cpu_decode.decode_steps(quantized) is None
     monkeypatch.setenv("LMSP_CPU_DECODE", "0")
-    assert not cpu_decode.install(tiny("llama"))
+    assert cpu_decode.decode_steps(tiny("llama")) is None
 
 
 @pytest.mark.parametrize("bits", [2, 4, 8])

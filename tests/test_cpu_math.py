@@ -91,19 +91,22 @@ def test_prefill_attention_matches_mlx(length, source, mask_kind):
     assert mx.abs(got - want).max().item() < 1e-4
 
 
-def test_installed_model_gives_the_same_logits(tiny_model_dir, monkeypatch):
+def test_a_loaded_model_gives_mlx_logits_and_leaves_mlx_lm_unchanged(tiny_model_dir):
+    """The loader binds the fast ops in its own copy of the model's module: the model gives
+    the stock model's logits, and mlx-lm's module still holds mlx-lm's functions."""
     from mlx_lm.models import activations, base, llama
-    from mlx_lm.utils import load_model
+    from mlx_lm.utils import load_model as stock_load
 
-    # MLX's own ops for the reference run; monkeypatch restores whatever was there.
-    monkeypatch.setattr(llama, "swiglu", activations.swiglu)
-    monkeypatch.setattr(llama, "scaled_dot_product_attention", base.scaled_dot_product_attention)
-    model, _ = load_model(tiny_model_dir)
+    from lmsp_mlx.engine.loader import load_model
+
+    stock, _ = stock_load(tiny_model_dir)
+    lm = load_model(tiny_model_dir)
+    assert isinstance(lm.model.model.layers[0].self_attn.rope, cpu_math.FusedRoPE)
+    module = type(lm.model).__call__.__globals__  # the namespace the model's code runs in: the loader's copy
+    assert module is not vars(llama) and module["swiglu"] is cpu_math.swiglu
+    assert llama.swiglu is activations.swiglu and llama.scaled_dot_product_attention is base.scaled_dot_product_attention
+    assert type(stock) is llama.Model and type(stock).__call__ is llama.Model.__call__
     tokens = mx.array([[5, 9, 40, 41, 77, 3] * 30])
-    before = model(tokens)
-    assert cpu_math.install(model) == ["swiglu", "scaled_dot_product_attention", "rope"]
-    assert isinstance(model.model.layers[0].self_attn.rope, cpu_math.FusedRoPE)
-    assert llama.swiglu is cpu_math.swiglu
-    after = model(tokens)
+    before, after = stock(tokens), lm.model(tokens)
     assert mx.abs(after - before).max().item() < 1e-3
     assert mx.array_equal(mx.argmax(after, axis=-1), mx.argmax(before, axis=-1))

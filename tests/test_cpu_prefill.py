@@ -10,6 +10,7 @@ from mlx_lm.models.cache import KVCache, QuantizedKVCache, RotatingKVCache, make
 
 from lmsp_mlx import cpu_blas
 from lmsp_mlx.engine import cpu_decode, cpu_prefill
+from lmsp_mlx.engine.runners import CompiledCPURunner, MLXRunner
 from tests.test_cpu_decode import compiled_steps, counted, tiny
 
 pytestmark = pytest.mark.skipif(cpu_blas.fused_kernels() is None, reason="the compiled BLAS shim is not built")
@@ -22,19 +23,27 @@ def kernels_auto(monkeypatch):
     monkeypatch.setenv("LMSP_KERNELS", "auto")
 
 
-def chunks(model, prompt: list[int], sizes: list[int], cache=None):
-    """Hidden states of each chunk and the cache after running `prompt` through the model's
-    body in chunks of `sizes`."""
-    cache = cache or make_prompt_cache(model)
+def compiled(model, decode: bool = False) -> CompiledCPURunner:
+    """The compiled CPU runner over `model` with the compiled prefill (and the decode steps)."""
+    chunk = cpu_prefill.prefill_pass(model)
+    steps = cpu_decode.decode_steps(model) if decode else (None, None)
+    assert chunk is not None and steps is not None
+    return CompiledCPURunner(model, *steps, chunk)
+
+
+def chunks(runner, prompt: list[int], sizes: list[int], cache=None):
+    """Hidden states of each chunk and the cache after running `prompt` through the
+    runner's way through the model's body in chunks of `sizes`."""
+    cache = cache or make_prompt_cache(runner.model)
     outs, start = [], 0
     for size in sizes:
-        outs.append(np.array(model.model(mx.array([prompt[start : start + size]]), cache=cache)))
+        outs.append(np.array(runner.hidden(mx.array([prompt[start : start + size]]), cache=cache)))
         start += size
     return outs, cache
 
 
-def compiled_chunks(model, monkeypatch) -> list[int]:
-    return counted(model.model.prefill_pass, "lmsp_prefill", monkeypatch)
+def compiled_chunks(runner, monkeypatch) -> list[int]:
+    return counted(runner.chunk, "lmsp_prefill", monkeypatch)
 
 
 def close(a, b, tol=2e-5) -> bool:
@@ -50,9 +59,8 @@ def test_prefill_chunks_match_mlx_across_cache_growth(kind, overrides):
     model = tiny(kind, **overrides)
     prompt = [int(t) for t in np.random.default_rng(5).integers(0, 300, 600)]
     sizes = [200, 100, 7, 293]  # grows past 256 and 512 mid-chunk; later chunks attend to earlier ones
-    want, want_cache = chunks(model, prompt, sizes)
-    assert cpu_prefill.install(model)
-    got, got_cache = chunks(model, prompt, sizes)
+    want, want_cache = chunks(MLXRunner(model), prompt, sizes)
+    got, got_cache = chunks(compiled(model), prompt, sizes)
     for a, b in zip(got, want):
         assert a.shape == b.shape and close(a, b)
     for mine, theirs in zip(got_cache, want_cache):
@@ -70,10 +78,10 @@ def test_prefill_chunks_over_a_quantized_cache_match_mlx(bits, group, heads, mon
     quantized = lambda: [QuantizedKVCache(group_size=group, bits=bits) for _ in model.layers]  # noqa: E731
     prompt = [int(t) for t in np.random.default_rng(6).integers(0, 300, 600)]
     sizes = [200, 100, 7, 293]
-    want, want_cache = chunks(model, prompt, sizes, quantized())
-    assert cpu_prefill.install(model)
-    calls = compiled_chunks(model, monkeypatch)
-    got, got_cache = chunks(model, prompt, sizes, quantized())
+    want, want_cache = chunks(MLXRunner(model), prompt, sizes, quantized())
+    runner = compiled(model)
+    calls = compiled_chunks(runner, monkeypatch)
+    got, got_cache = chunks(runner, prompt, sizes, quantized())
     assert len(calls) == len(sizes)
     for a, b in zip(got, want):
         # K/V differ from MLX's in the last float bits, so a code on a rounding edge may
@@ -93,31 +101,30 @@ def test_greedy_tokens_match_with_both_compiled_passes(bits, monkeypatch):
     """A prompt prefilled by forward.c then decoded by decode.c samples what MLX samples,
     over a plain cache and over a 4-bit one."""
     reference = tiny("llama", head_dim=64)
-    fast = tiny("llama", head_dim=64)
-    assert cpu_prefill.install(fast) and cpu_decode.install(fast)
+    fast = compiled(tiny("llama", head_dim=64), decode=True)
     calls, steps = compiled_chunks(fast, monkeypatch), compiled_steps(fast, monkeypatch)
     prompt = list(range(30, 130))
 
-    def greedy(model, n=40):
-        cache = make_prompt_cache(model) if bits is None else [
-            QuantizedKVCache(group_size=32, bits=bits) for _ in model.layers]
-        model.model(mx.array([prompt[:-1]]), cache=cache)
+    def greedy(runner, n=40):
+        cache = make_prompt_cache(runner.model) if bits is None else [
+            QuantizedKVCache(group_size=32, bits=bits) for _ in runner.model.layers]
+        runner.prefill(mx.array([prompt[:-1]]), cache)
         token, out = prompt[-1], []
         for _ in range(n):
-            token = int(mx.argmax(model(mx.array([[token]]), cache=cache)[0, -1]).item())
+            token = int(mx.argmax(runner.forward(mx.array([[token]]), cache)[0, -1]).item())
             out.append(token)
         return out
 
-    assert greedy(fast) == greedy(reference) and calls == [1] and len(steps) == 40
+    assert greedy(fast) == greedy(MLXRunner(reference)) and calls == [1] and len(steps) == 40
 
 
 def test_other_caches_and_inputs_go_through_mlx():
     model = tiny("llama")
-    assert cpu_prefill.install(model)
+    runner = compiled(model)
     rotating = [RotatingKVCache(max_size=32) for _ in model.layers]
-    out = model.model(mx.array([list(range(50))]), cache=rotating)
+    out = runner.hidden(mx.array([list(range(50))]), cache=rotating)
     assert out.shape == (1, 50, 64) and type(rotating[0]) is RotatingKVCache and rotating[0].offset == 50
-    two = model.model(mx.array([[1, 2, 3], [4, 5, 6]]), cache=make_prompt_cache(model))  # batch 2: MLX
+    two = runner.hidden(mx.array([[1, 2, 3], [4, 5, 6]]), cache=make_prompt_cache(model))  # batch 2: MLX
     assert two.shape == (2, 3, 64)
 
 
@@ -136,9 +143,9 @@ def test_a_quantized_cache_restored_from_a_checkpoint_takes_the_compiled_pass(mo
 
     theirs = restored()
     want = np.array(model.model(mx.array([prompt[250:]]), cache=theirs))
-    assert cpu_prefill.install(model)
+    runner = compiled(model)
     mine = restored()
-    calls = compiled_chunks(model, monkeypatch)
-    got = np.array(model.model(mx.array([prompt[250:]]), cache=mine))
+    calls = compiled_chunks(runner, monkeypatch)
+    got = np.array(runner.hidden(mx.array([prompt[250:]]), cache=mine))
     assert calls == [1] and mine[0].offset == theirs[0].offset == 300 and close(got, want, 1e-3)
     assert mine[0].keys[0].shape == theirs[0].keys[0].shape  # grown as mlx-lm grows it

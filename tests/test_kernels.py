@@ -121,11 +121,13 @@ def test_expert_reference_matches_a_float_computation_and_gather_qmm(bits, group
     assert rel_err(got, float_experts(x, indices, gate, up, down)) < 1e-5
     stock = stock_switch_glu(d, h, gate, up, down)
     assert rel_err(got, stock(x, indices)) < 1e-4
-    # The swapped layer (the model's view): same module, same result, through the dispatch
-    # (the checked kernel: Metal, CUDA or the compiled CPU one; else mlx-lm's own path).
+    # The layer the loader puts in its place (the model's view): the same projections, the
+    # same result, through the dispatch (the checked kernel: Metal, CUDA or the compiled CPU
+    # one; else mlx-lm's own path).
     before = dict(kernels.expert_swiglu.calls)
-    stock.__class__ = kernels.KernelSwitchGLU
-    assert rel_err(stock(x, indices), got) < 1e-4
+    layer = kernels.KernelSwitchGLU.of(stock)
+    assert layer.gate_proj is stock.gate_proj and layer.down_proj is stock.down_proj
+    assert rel_err(layer(x, indices), got) < 1e-4
     ran = "kernel" if kernels.expert_swiglu.available() else "builtin"  # the layer's own gather_qmm path
     assert kernels.expert_swiglu.calls[ran] == before[ran] + 1
 

@@ -3,7 +3,7 @@ runs before it.
 
 The step feeds each sequence's pending token and hands each its own logits row, in one
 forward for all where it can:
-- the CPU's compiled `batch_step` takes sequences on float32 KV caches (plain, or
+- the compiled CPU runner's `batch` step takes sequences on float32 KV caches (plain, or
   `--kv-bits` quantized ones, whose attention is attention.c's), each on its own cache at
   its own position, the weights read once for the whole batch;
 - otherwise (Metal, CUDA, models the compiled step does not know, `--kv-bits` caches)
@@ -87,7 +87,7 @@ class Batch:
     def step(self, seqs: list[Sequence]) -> dict[Sequence, Exception]:
         """One token for each of `seqs`; returns the sequences that failed, with why."""
         failed: dict[Sequence, Exception] = {}
-        batch_step = getattr(self.lm.model, "batch_step", None)
+        batch_step = self.lm.runner.batch
         compiled, merged, alone = _plan(seqs, batch_step)
         for s in compiled:  # a merged member's newest K/V are in the merged cache: hand them back first
             self._merged.release(s)
@@ -109,7 +109,7 @@ class Batch:
         for s in alone:
             self._merged.release(s)
             try:
-                logits = self.lm.model(mx.array([s.pending]), cache=s.cache)[:, -1, :]
+                logits = self.lm.runner.forward(mx.array([s.pending]), s.cache)[:, -1, :]
             except Exception as exc:
                 failed[s] = exc
                 continue
@@ -226,7 +226,7 @@ class Merged:
         self._join([s for s in seqs if not any(s is m for m in self.members)])
         self._compact()
         tokens = mx.array([m.pending if m is not None else [self.FREE_TOKEN] for m in self.members])
-        logits = lm.model(tokens, cache=self.cache)[:, -1, :]
+        logits = lm.runner.forward(tokens, self.cache)[:, -1, :]
         order = [next(i for i, m in enumerate(self.members) if m is s) for s in seqs]
         return logits if order == list(range(len(self.members))) else logits[mx.array(order)]
 

@@ -7,12 +7,12 @@ output head included, reading MLX's weight arrays and writing the new position's
 layers' mlx-lm `KVCache` buffers, whose offsets are then advanced as `update_and_fetch`
 would.
 
-`install(model)` gives the model a `__call__` that takes this path for a one-token input
-against plain `KVCache`s (grown first where they are full, as MLX grows them), and MLX's
-otherwise: prefill, sliding-window caches.
-It also gets `batch_step` (`BatchStep`): one token for each of several sequences, each on
-its own cache (plain, or quantized as below), in one pass over the weights (the worker's
-batched decode steps).
+`decode_steps(model)` binds it to a model as two steps, which the compiled CPU runner
+(engine/runners.py) calls: `DecodeStep`, one token against plain `KVCache`s (grown first
+where they are full, as MLX grows them; MLX runs anything else: prefill, sliding-window
+caches), and `BatchStep`, one token for each of several sequences, each on its own cache
+(plain, or quantized as below), in one pass over the weights (the worker's batched
+decode steps).
 `--kv-bits` caches (`QuantizedKVCache`, float32 scales) take it too: the step quantizes
 the new K/V row as `mx.quantize` does and runs attention.c's attention over the cache
 inside its own thread team (through MLX such a step ran op by op, 3x slower than a plain
@@ -352,22 +352,9 @@ def compile_model(model: nn.Module, lib, switch: str, what: str) -> CompiledMode
         return None
 
 
-def install(model: nn.Module) -> bool:
-    """Route the model's one-token steps to the compiled decode step, where it applies."""
+def decode_steps(model: nn.Module) -> tuple[DecodeStep, BatchStep] | None:
+    """The compiled one-sequence and batched steps bound to `model`'s weights, where they
+    apply (not under LMSP_CPU_DECODE=0)."""
     lib = cpu_blas.decode_kernel()
     compiled = compile_model(model, lib, "LMSP_CPU_DECODE", "compiled decode step")
-    if compiled is None:
-        return False
-    step = DecodeStep(lib, compiled)
-    batch = BatchStep(lib, compiled)
-    base = type(model)
-
-    def __call__(self, inputs, cache=None, input_embeddings=None):
-        if cache is not None and input_embeddings is None and inputs.shape == (1, 1):
-            logits = step(int(inputs.item()), cache)
-            if logits is not None:
-                return logits
-        return base.__call__(self, inputs, cache=cache, input_embeddings=input_embeddings)
-
-    model.__class__ = type(base.__name__, (base,), {"__call__": __call__, "decode_step": step, "batch_step": batch})
-    return True
+    return None if compiled is None else (DecodeStep(lib, compiled), BatchStep(lib, compiled))

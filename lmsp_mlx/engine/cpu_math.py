@@ -12,8 +12,9 @@ Prefill attention with an explicit mask array (sliding windows, padding) runs in
 the same OpenBLAS for the two matmuls and a vectorised exp. Decode steps (one query) keep
 mx.fast, where the copies would cost more than the tiny softmax.
 
-`install(model)` swaps these into the mlx-lm module that defines the model, on the CPU
-backend only; Metal and CUDA keep MLX's own kernels. Without the compiled shim, SwiGLU
+On the CPU backend only, the loader binds `OPS` in its own copy of the module that
+defines the model (engine/model_ops.py; mlx-lm itself is left unchanged) and wraps the
+model's RoPE layers (`wrap_ropes`); Metal and CUDA keep MLX's own kernels. Without the compiled shim, SwiGLU
 and causal attention stay MLX's own.
 
 For llama and qwen2 float32 models, batch-1 prompt chunks skip MLX altogether
@@ -23,7 +24,6 @@ cache, and the MLX path those fall back to.
 
 from __future__ import annotations
 
-import sys
 from functools import lru_cache
 
 import mlx.core as mx
@@ -171,22 +171,17 @@ def scaled_dot_product_attention(queries, keys, values, cache, scale: float, mas
     return base.scaled_dot_product_attention(queries, keys, values, cache, scale, mask, sinks)
 
 
-def install(model: nn.Module) -> list[str]:
-    """Point the model's module at the fast ops and wrap its plain RoPE layers; returns
-    the names it replaced."""
-    swaps = {
-        "swiglu": (activations.swiglu, swiglu),
-        "scaled_dot_product_attention": (base.scaled_dot_product_attention, scaled_dot_product_attention),
-    }
-    module = sys.modules[type(model).__module__]
-    replaced = []
-    for name, (original, fast) in swaps.items():
-        if getattr(module, name, None) is original:
-            setattr(module, name, fast)
-            replaced.append(name)
-    ropes = [m for _, m in model.named_modules() if type(getattr(m, "rope", None)) is nn.RoPE and not m.rope.traditional]
+# What the CPU backend binds in its copy of a model's module (engine/model_ops.py), by the
+# name the module calls: mlx-lm's function there, and ours.
+OPS = {
+    "swiglu": (activations.swiglu, swiglu),
+    "scaled_dot_product_attention": (base.scaled_dot_product_attention, scaled_dot_product_attention),
+}
+
+
+def wrap_ropes(model: nn.Module) -> int:
+    """Wrap the model's plain (rotate-halves) RoPE layers in FusedRoPE; returns how many."""
+    ropes = [m for _, m in model.named_modules() if type(m.get("rope")) is nn.RoPE and not m["rope"].traditional]
     for m in ropes:
         m.rope = FusedRoPE(m.rope)
-    if ropes:
-        replaced.append("rope")
-    return replaced
+    return len(ropes)

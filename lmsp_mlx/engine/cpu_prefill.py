@@ -11,12 +11,12 @@ cache (`QuantizedKVCache`) takes the same call: the rows are quantized into it a
 `mx.quantize` does, and the chunk attends over the cache dequantized for the layer, as
 mlx-lm's quantized attention reads it. Through MLX such a chunk ran op by op.
 
-`install(model)` gives the model's body (the `model` attribute of an mlx-lm model,
-which returns the final normalized hidden states) a `__call__` that takes this path for
-a multi-token batch-1 input against the caches the compiled decode step reads
-(`CompiledModel.layout`), and MLX's otherwise. It applies to
-the models the compiled decode step takes (cpu_decode._supported). `LMSP_CPU_PREFILL=0`
-turns it off.
+`prefill_pass(model)` binds it to a model; the compiled CPU runner (engine/runners.py)
+calls it for a multi-token batch-1 chunk against the caches the compiled decode step
+reads (`CompiledModel.layout`) in place of the model's body (the `model` attribute of an
+mlx-lm model, which returns the final normalized hidden states), and the body otherwise.
+It applies to the models the compiled decode step takes (cpu_decode._supported).
+`LMSP_CPU_PREFILL=0` turns it off.
 """
 
 from __future__ import annotations
@@ -66,23 +66,9 @@ class PrefillPass:
         return mx.array(out)[None]
 
 
-def install(model: nn.Module) -> bool:
-    """Route the model body's multi-token chunks to the compiled prefill, where it applies."""
+def prefill_pass(model: nn.Module) -> PrefillPass | None:
+    """The compiled prefill bound to `model`'s weights, where it applies (the models the
+    compiled decode step takes; not under LMSP_CPU_PREFILL=0)."""
     lib = cpu_blas.fused_kernels()
     compiled = compile_model(model, lib, "LMSP_CPU_PREFILL", "compiled prefill")
-    if compiled is None:
-        return False
-    run = PrefillPass(lib, compiled)
-    body = model.model  # what cpu_decode._supported checked
-    base = type(body)
-
-    def __call__(self, inputs, cache=None, input_embeddings=None, **kwargs):
-        if cache is not None and input_embeddings is None and not kwargs and inputs.ndim == 2 \
-                and inputs.shape[0] == 1 and inputs.shape[1] > 1:
-            hidden = run(inputs, cache)
-            if hidden is not None:
-                return hidden
-        return base.__call__(self, inputs, cache=cache, input_embeddings=input_embeddings, **kwargs)
-
-    body.__class__ = type(base.__name__, (base,), {"__call__": __call__, "prefill_pass": run})
-    return True
+    return None if compiled is None else PrefillPass(lib, compiled)

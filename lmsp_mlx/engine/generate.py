@@ -1,7 +1,6 @@
 """What a reply is generated with: its settings (`GenerationParams`, `Penalties`), and the
-model-level pieces a sequence uses: prefill of prompt chunks through the model's body,
-the pass that gives a prompt's last logits, and a detokenizer set to continue a prompt's
-text."""
+pieces a sequence uses around the model's runner: prefill of a prompt in chunks, and a
+detokenizer set to continue a prompt's text."""
 
 from __future__ import annotations
 
@@ -11,7 +10,6 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 import mlx.core as mx
-import mlx.nn as nn
 from mlx_lm.tokenizer_utils import BPEStreamingDetokenizer, SPMStreamingDetokenizer
 
 from .loader import LoadedModel
@@ -69,54 +67,15 @@ class GenerationParams:
 
 
 def prefill(lm: LoadedModel, tokens: list[int], cache: list, step: int, check: Callable[[int, int], None]) -> None:
-    """Run `tokens` into `cache` in chunks through the model's body only.
-
-    mlx-lm's generate_step computes the output head for every prompt token and discards
-    the logits; for SmolLM2 that head is a fifth of all prefill FLOPs. The body of an
-    mlx-lm model is its `model` attribute; models without one go through whole."""
-    body = getattr(lm.model, "model", None)
-    run = body if isinstance(body, nn.Module) else lm.model
+    """Run `tokens` into `cache` in chunks of `step`, through the model's runner (the body
+    only: mlx-lm's generate_step computes the output head for every prompt token and
+    discards the logits; for SmolLM2 that head is a fifth of all prefill FLOPs).
+    `check(done, total)` is called after each chunk."""
     total = len(tokens)
     for start in range(0, total, step):
-        run(mx.array(tokens[start : start + step])[None], cache=cache)
+        lm.runner.prefill(mx.array(tokens[start : start + step])[None], cache)
         mx.eval([c.state for c in cache])
         check(min(start + step, total), total)
-
-
-class _LastRow(nn.Module):
-    """A model body that hands the output head only its last position.
-
-    The pass that samples the first token runs the prompt's tail (up to 64 rows) through
-    the whole model; the head is position-wise, so computing it for the one row that is
-    sampled gives the same logits. For SmolLM2 the skipped rows were 20-25% of that pass
-    (a 49k-row matmul per row), the time an agent waits for its first token."""
-
-    def __init__(self, body: nn.Module) -> None:
-        super().__init__()
-        self.body = body
-
-    def __call__(self, *args, **kwargs):
-        out = self.body(*args, **kwargs)
-        return out[:, -1:] if isinstance(out, mx.array) and out.ndim == 3 else out
-
-    def __getattr__(self, key: str):
-        if key == "body":
-            return super().__getattr__(key)
-        return getattr(self.body, key)  # e.g. tied heads use model.embed_tokens
-
-
-def last_logits(lm: LoadedModel, tokens: list[int], cache: list) -> mx.array:
-    """Logits (1, vocab) after running `tokens` into `cache`, the head computed for the last
-    token only. mlx-lm models keep their body in `model`; others go through whole."""
-    outer = lm.model
-    body = outer.get("model") if isinstance(outer, nn.Module) else None
-    if len(tokens) == 1 or not isinstance(body, nn.Module):
-        return outer(mx.array([tokens]), cache=cache)[:, -1, :]
-    outer.model = _LastRow(body)
-    try:
-        return outer(mx.array([tokens]), cache=cache)[:, -1, :]
-    finally:
-        outer.model = body
 
 
 def continue_after(detokenizer, token: int) -> None:

@@ -14,12 +14,15 @@ import os
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
 import mlx.nn as nn
 
 from .render import apply_template, with_template_args
+
+if TYPE_CHECKING:
+    from .runners import Runner
 
 log = logging.getLogger("lmsp_mlx.engine")
 
@@ -36,6 +39,7 @@ class LoadedModel:
     id: str
     path: Path
     model: nn.Module
+    runner: Runner  # what every step runs through (engine/runners.py), chosen at load
     tokenizer: Any  # mlx_lm TokenizerWrapper
     context_length: int
     quantization: str
@@ -224,7 +228,8 @@ def _fuse_adapters(model: nn.Module, dequantize: bool) -> int:
 
 def load_model(path: Path, *, model_id: str | None = None, ctx: int | None = None,
                options: LoadOptions = LoadOptions()) -> LoadedModel:
-    from mlx_lm.utils import load
+    from .model_ops import build
+    from .runners import choose
 
     config = check_model_dir(path)
     name = model_id or path.name  # a hub snapshot's directory is a commit hash
@@ -233,12 +238,19 @@ def load_model(path: Path, *, model_id: str | None = None, ctx: int | None = Non
     if adapter is not None:
         check_adapter_dir(adapter)
     check_fits(path, config, backend, options.memory_budget, name)
+    from .. import kernels
+
+    try:
+        kernels.mode()
+    except ValueError as exc:  # a bad LMSP_KERNELS value
+        raise ModelLoadError(str(exc)) from None
     log.info("loading %s on %s%s", path, backend, f" with the adapter {adapter}" if adapter else "")
     try:
-        model, tokenizer = load(str(path), adapter_path=None if adapter is None else str(adapter))
+        built = build(path, backend, adapter)
     except Exception as exc:  # mlx-lm raises many kinds for a broken directory (or an adapter of another base)
         what = f"the adapter {adapter} on {path}" if adapter else path
         raise ModelLoadError(f"cannot load {what}: {type(exc).__name__}: {' '.join(str(exc).split())}") from None
+    model, tokenizer = built.model, built.tokenizer
     if adapter is not None:
         log.info("adapter %s: %d LoRA layers fused into the weights", adapter.name,
                  _fuse_adapters(model, dequantize=backend == "cpu"))
@@ -251,7 +263,7 @@ def load_model(path: Path, *, model_id: str | None = None, ctx: int | None = Non
     stored = _describe_quantization(config)
     if backend == "cpu":
         from ..cpu_blas import status
-        from . import cpu_decode, cpu_math, cpu_prefill
+        from . import cpu_math
 
         if status() == "stock" and sys.platform.startswith("linux") and not os.environ.get("LMSP_STOCK_BLAS"):
             log.warning("MLX's float32 matmuls run on its stock reference BLAS (slow): call "
@@ -261,24 +273,20 @@ def load_model(path: Path, *, model_id: str | None = None, ctx: int | None = Non
         quantization = "float32" if stored.startswith("float") else f"float32 (dequantized from {stored})"
         if experts:
             quantization = f"float32, MoE experts {stored}"
-        if replaced := cpu_math.install(model):
-            log.info("CPU fast math for %s: %s", name, ", ".join(replaced))
-        if cpu_prefill.install(model):
-            log.info("CPU prefill for %s: one compiled call per prompt chunk (cpu_blas/forward.c)", name)
-        if cpu_decode.install(model):
-            log.info("CPU decode steps for %s: one compiled call per token (cpu_blas/decode.c)", name)
+        ropes = cpu_math.wrap_ropes(model)
+        if built.ops or ropes:
+            log.info("CPU fast math for %s: %s", name, ", ".join(built.ops + (["rope"] if ropes else [])))
     else:
         quantization = stored
-    from .. import kernels
-
-    try:
-        swapped = kernels.install(model)
-    except ValueError as exc:  # a bad LMSP_KERNELS value
-        raise ModelLoadError(str(exc)) from None
+    experts_on_kernel = kernels.expert_layers(model)
+    swapped = ([f"expert_swiglu ({experts_on_kernel} MoE layers)"] if experts_on_kernel else []) \
+        + (["decode_attention (--kv-bits caches)"]
+           if kernels.mode() != "off" and "scaled_dot_product_attention" in built.ops else [])
     if swapped:
         log.info("kernels for %s (LMSP_KERNELS=%s, backend %s): %s", name, kernels.mode(),
                  kernels.backend() or "cpu: compiled CPU kernels where they take the call, else references",
                  ", ".join(swapped))
+    runner = choose(model, backend, name)
     text = text_config(config)
     trained = int(text.get("max_position_embeddings") or text.get("max_seq_len") or 4096)
     context_length = ctx or trained
@@ -294,6 +302,7 @@ def load_model(path: Path, *, model_id: str | None = None, ctx: int | None = Non
         id=name,
         path=path,
         model=model,
+        runner=runner,
         tokenizer=tokenizer,
         context_length=context_length,
         quantization=quantization,

@@ -26,7 +26,7 @@ import mlx.core as mx
 from mlx_lm.sample_utils import apply_top_k, apply_top_p
 
 from .events import Finished, GenerationEvent, TextDelta, Usage
-from .generate import LONG_PREFILL, GenerationParams, continue_after, last_logits, prefill
+from .generate import LONG_PREFILL, GenerationParams, continue_after, prefill
 from .loader import LoadedModel
 
 log = logging.getLogger("lmsp_mlx.engine")
@@ -161,7 +161,7 @@ class Sequence:
         # last row only. Either way an agent's short suffix takes one pass, not a prefill
         # and a step.
         new = len(p.prompt) - p.cached
-        if hasattr(self.lm.model, "batch_step"):
+        if self.lm.runner.batch is not None:
             self.tail = new if new <= SHORT_SUFFIX else 1
             self.rows = True  # the tail is fed by the decode step
         else:
@@ -211,7 +211,7 @@ class Sequence:
             self.pending = p.prompt[-self.tail:]
             self.cursor = len(p.prompt) - self.tail
         else:
-            logits = last_logits(self.lm, p.prompt[-self.tail:], self.cache)
+            logits = self.lm.runner.last_logits(p.prompt[-self.tail:], self.cache)
             self.cursor = len(p.prompt)
             self.take(logits)
 

@@ -110,7 +110,7 @@ def _make_pool(lm: LoadedModel, cs: CacheSettings, calls: CallMemory) -> Session
     pool = SessionPool(lm.model, lm.tokenizer, cs, disk)
     if cs.kv_bits:  # a quantized cache the model cannot use is a start-up error, not a 500 later
         try:
-            mx.eval(lm.model(mx.array([[0]]), cache=pool.new_cache()))
+            mx.eval(lm.runner.forward(mx.array([[0]]), pool.new_cache()))
         except ValueError as exc:
             raise ModelLoadError(f"--kv-bits {cs.kv_bits} with --kv-group-size {cs.kv_group_size} "
                                  f"does not fit {lm.id}: {exc}") from None
