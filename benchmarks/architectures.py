@@ -2,6 +2,7 @@
 
     python -m benchmarks.architectures [--families llama,gpt_oss,...] [--widths 1,4,8,16]
                                        [--max-tokens 128] [--out DIR] [--append]
+    python -m benchmarks.architectures --from-csv benchmarks/results/architectures.csv
 
 Each family of tests/tiny_model.py (`FAMILIES`: llama, qwen3_next, qwen3_5, gpt_oss,
 gemma3_text, nemotron_h, kimi_linear, deepseek_v3) is built with mlx-lm's own classes,
@@ -30,7 +31,7 @@ from pathlib import Path
 from lmsp_mlx.cpu_blas import accelerate
 
 accelerate()  # first: MLX binds its BLAS as mlx.core loads (lmsp_mlx/cpu_blas/__init__.py)
-from benchmarks.common import Provenance, output_arguments, serving, write_rows  # noqa: E402
+from benchmarks.common import Provenance, output_arguments, read_rows, serving, write_rows  # noqa: E402
 from benchmarks.concurrency import SERVERS, command, measure, summarize  # noqa: E402
 from tests.tiny_model import ENDLESS, FAMILIES, build_tiny_family_model  # noqa: E402
 
@@ -59,8 +60,14 @@ def main() -> None:
     p.add_argument("--widths", default="1,4,8,16")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--timeout", type=float, default=600.0, help="seconds one request may take")
+    p.add_argument("--from-csv", type=Path, help="no run: the table and PNG of a CSV this benchmark wrote")
     output_arguments(p)
     args = p.parse_args()
+    if args.from_csv:
+        rows = read_rows(args.from_csv)
+        plot(rows, args.out / "architectures.png")
+        table(rows, sorted({r["width"] for r in rows}))
+        return
     provenance = Provenance.gather()
     os.environ["LMSP_CPU_DECODE"] = "0"  # both servers inherit it: the MLX path, as on a Mac
     widths = [int(w) for w in args.widths.split(",")]

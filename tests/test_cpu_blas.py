@@ -34,7 +34,24 @@ def test_the_shim_is_active():
     assert after[0] > before[0] and after[1] > before[1]  # one sgemm, one sgemv
 
 
-SHAPES = [(64, 48, 80), (1, 300, 257), (257, 300, 1), (1, 1, 64), (3, 1, 5), (1, 7, 1), (130, 1, 70)]
+@linux
+@pytest.mark.skipif(cpu_blas.decode_kernel() is None, reason="the compiled decode module is not built")
+@pytest.mark.parametrize("rows", [2, 5, 8])
+def test_a_few_rows_times_a_weight_take_the_small_row_product(rows):
+    """A batched decode step's shape (x @ W.T, a few rows): decode.c's product, not OpenBLAS's sgemm."""
+    rng = np.random.default_rng(rows)
+    x = rng.standard_normal((rows, 300)).astype(np.float32)
+    w = rng.standard_normal((257, 300)).astype(np.float32)
+    before = cpu_blas.forwarded_calls()
+    got = mx.array(x) @ mx.array(w).T
+    mx.eval(got)
+    after = cpu_blas.forwarded_calls()
+    assert after[2] == before[2] + 1 and after[0] == before[0]
+    close(got, x, w.T, x.astype(np.float64) @ w.T.astype(np.float64))
+
+
+SHAPES = [(64, 48, 80), (1, 300, 257), (257, 300, 1), (1, 1, 64), (3, 1, 5), (1, 7, 1), (130, 1, 70),
+          (2, 300, 257), (8, 64, 96), (5, 13, 70), (9, 64, 96)]  # 2-8 rows: decode.c's product where it takes them
 
 
 @pytest.mark.parametrize("m, k, n", SHAPES)

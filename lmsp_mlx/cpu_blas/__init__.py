@@ -72,6 +72,12 @@ def accelerate() -> str:
     _shim.lmsp_prefill_scratch.restype = ctypes.c_int64
     _shim.lmsp_prefill.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64] + [ctypes.c_void_p] * 4
     _status = f"{_openblas_config(openblas)} (numpy's), sgemv for one-row products"
+    decode = decode_kernel()
+    if decode is not None and os.environ.get("LMSP_SMALL_GEMM", "1") != "0":
+        # 2-8 activation rows times a weight (MLX's batched decode steps): decode.c's product
+        # reads each weight row once, where OpenBLAS's sgemm packs the whole weight per call.
+        _shim.lmsp_blas_set_small_gemm(ctypes.cast(decode.lmsp_small_gemm, ctypes.c_void_p))
+        _status += ", decode.c's batched product for 2-8 rows"
     global _openblas
     _openblas = ctypes.CDLL(str(openblas))
     if not hasattr(_openblas, "blas_thread_shutdown_"):
@@ -91,11 +97,11 @@ def fused_kernels() -> ctypes.CDLL | None:
     return _shim
 
 
-def forwarded_calls() -> tuple[int, int]:
-    """(sgemm, sgemv) calls the shim has forwarded: proof that MLX goes through it."""
+def forwarded_calls() -> tuple[int, int, int]:
+    """(sgemm, sgemv, small-row product) calls the shim has forwarded: proof that MLX goes through it."""
     if _shim is None:
-        return (0, 0)
-    return (_shim.lmsp_blas_calls(0), _shim.lmsp_blas_calls(1))
+        return (0, 0, 0)
+    return (_shim.lmsp_blas_calls(0), _shim.lmsp_blas_calls(1), _shim.lmsp_blas_calls(2))
 
 
 _decode: ctypes.CDLL | None = None

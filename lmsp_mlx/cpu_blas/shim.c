@@ -21,9 +21,19 @@
 typedef void (*sgemv_fn)(int, int, int64_t, int64_t, float, const float *, int64_t, const float *,
                          int64_t, float, float *, int64_t);
 
+/* Y = X W^T for a few rows of X (decode.c's lmsp_small_gemm, in the OpenMP module). */
+typedef void (*small_gemm_fn)(const float *w, const float *x, float *y, int64_t m, int64_t n, int64_t nb);
+
 sgemm_fn lmsp_real_sgemm; /* also used by prefill.c and forward.c */
 static sgemv_fn real_sgemv;
-static long long forwarded_gemm, forwarded_gemv;
+static small_gemm_fn small_gemm; /* NULL until lmsp_blas_set_small_gemm: then 2..SMALL_ROWS rows go there */
+static long long forwarded_gemm, forwarded_gemv, forwarded_small;
+
+#define SMALL_ROWS 8
+
+/* The batched product for a few rows (NULL turns it off); Python sets it once the
+ * compiled decode module is loaded, which this library cannot link against. */
+void lmsp_blas_set_small_gemm(small_gemm_fn f) { small_gemm = f; }
 
 /* Returns 0 when `path` is an OpenBLAS with the expected symbols. */
 int lmsp_blas_init(const char *path) {
@@ -34,7 +44,8 @@ int lmsp_blas_init(const char *path) {
     return lmsp_real_sgemm && real_sgemv ? 0 : 2;
 }
 
-long long lmsp_blas_calls(int which) { return which ? forwarded_gemv : forwarded_gemm; }
+/* Calls forwarded so far: 0 sgemm, 1 sgemv, 2 the small-row product. */
+long long lmsp_blas_calls(int which) { return which == 2 ? forwarded_small : which ? forwarded_gemv : forwarded_gemm; }
 
 /* Row-major C = alpha * op(A) op(B) + beta * C. */
 static void row_major(int ta, int tb, int64_t M, int64_t N, int64_t K, float alpha, const float *A,
@@ -57,6 +68,13 @@ static void row_major(int ta, int tb, int64_t M, int64_t N, int64_t K, float alp
         else
             real_sgemv(RowMajor, Trans, K, M, alpha, A, lda, B, incb, beta, C, ldc);
         forwarded_gemv++;
+        return;
+    }
+    if (small_gemm && M >= 2 && M <= SMALL_ROWS && ta == NoTrans && tb == Trans && alpha == 1.0f && beta == 0.0f &&
+        lda == K && ldb == K && ldc == N && K > 0) {
+        /* C (M x N) = A B^T, A a few activation rows, B a weight (N x K): each weight row read once. */
+        small_gemm(B, A, C, N, K, M);
+        forwarded_small++;
         return;
     }
     lmsp_real_sgemm(RowMajor, ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
