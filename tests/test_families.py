@@ -11,10 +11,11 @@ so that greedy choices have no near-tie.
 from __future__ import annotations
 
 import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from lmsp_mlx.engine.batch import Batch, Merged, chunk_size, generate, layer_kind, next_prefill
+from lmsp_mlx.engine.batch import Batch, Merged, chunk_size, generate, layer_kind, next_prefill, prefill_group
 from lmsp_mlx.engine.generate import GenerationParams
 from lmsp_mlx.engine.loader import load_model
 from lmsp_mlx.engine.sequence import Phase, Sequence
@@ -57,7 +58,9 @@ def together(lm, seqs: list[Sequence], joins_at: dict[int, int]) -> list[int]:
     Returns how many sequences each decode step merged."""
     batch, step, widths = Batch(lm), 0, []
     while live := [s for i, s in enumerate(seqs) if s.phase is not Phase.DONE and joins_at.get(i, 0) <= step]:
-        if (s := next_prefill(live)) is not None:
+        if group := prefill_group(live, 64, lm):
+            batch.prefill(group)
+        elif (s := next_prefill(live)) is not None:
             s.prefill_chunk(chunk_size(s, 64, len(live) > 1))
         decoding = [s for s in live if s.phase is Phase.DECODE]
         assert batch.step(decoding) == {}
@@ -81,6 +84,27 @@ def test_a_merged_batch_gives_each_sequence_its_tokens_alone_as_others_join_and_
     assert "steps outside the batch" not in caplog.text
     assert max(widths) == 4 and 3 in widths  # all four merged at once, and fewer once one left
     assert all([type(c) for c in s.cache] == kinds for s in seqs)  # each handed back in its own kinds
+
+
+def test_prompts_that_arrive_together_prefill_in_one_forward_and_get_their_tokens_alone(family_lm):
+    """Four prompts of different lengths, all waiting at once: one forward prefills them
+    (right-padded, as mlx-lm's prompt batching), the next decode step gives all four their
+    first tokens, and each gets the tokens it gets alone."""
+    lm = family_lm
+    expected = [alone(lm, p) for p in params(lm)]
+    seqs = [Sequence(lm, p, make_prompt_cache(lm.model), emit=lambda e: None) for p in params(lm)]
+    batch = Batch(lm)
+    assert same(prefill_group(seqs, 64, lm), seqs)
+    batch.prefill(seqs)
+    assert all(s.phase is Phase.DECODE and s.pending == [s.params.prompt[-1]] for s in seqs)
+    assert batch.step(seqs) == {} and all(len(s.sampled) == 1 for s in seqs)
+    while live := [s for s in seqs if s.phase is Phase.DECODE]:
+        assert batch.step(live) == {}
+        for s in seqs:
+            if s.phase is Phase.DONE:
+                batch.release(s)
+    assert [s.sampled for s in seqs] == expected
+    assert all([type(c) for c in s.cache] == [type(c) for c in make_prompt_cache(lm.model)] for s in seqs)
 
 
 def test_every_layer_of_every_family_has_a_batch_kind(family_lm):
@@ -199,3 +223,28 @@ def test_every_route_answers(family_server):
         HTTP.post(url + "/v1/messages", json={"model": "m", "messages": [user], "max_tokens": 8}),
     ]
     assert [r.status_code for r in replies] == [200] * 5, [r.text for r in replies if r.status_code != 200]
+
+
+def test_prompts_sent_at_once_get_their_replies_alone_and_later_turns_reuse_the_cache(family_server):
+    """Four short chats sent at once (they may prefill together, a batch's rows handed back
+    as each one's own cache): each gets the reply it gets alone. A second turn then reuses
+    the first turn's KV, and a retry of that turn goes back to the turn boundary (a
+    snapshot, for caches that cannot be trimmed) with the same reply."""
+    url = family_server.url
+
+    def chat(messages: list[dict]) -> dict:
+        r = HTTP.post(url + "/v1/chat/completions", timeout=120, json={
+            "model": "m", "messages": messages, "max_tokens": 6, "temperature": 0})
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    firsts = [[{"role": "user", "content": f"Question {i}: " + "tell me about the river " * (i + 1)}] for i in range(4)]
+    with ThreadPoolExecutor(4) as pool:
+        together = list(pool.map(chat, firsts))
+    assert [c["choices"][0]["message"]["content"] for c in together] == \
+        [chat(m)["choices"][0]["message"]["content"] for m in firsts]
+    turn = [*firsts[0], together[0]["choices"][0]["message"], {"role": "user", "content": "And the sea?"}]
+    second, retry = chat(turn), chat(turn)
+    assert second["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+    assert retry["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+    assert retry["choices"][0]["message"]["content"] == second["choices"][0]["message"]["content"]

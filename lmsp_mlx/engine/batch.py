@@ -28,6 +28,7 @@ sampling raises is handed back with its exception while the others go on.
 from __future__ import annotations
 
 import logging
+import os
 from typing import Callable
 
 import mlx.core as mx
@@ -54,6 +55,25 @@ def next_prefill(seqs: list[Sequence]) -> Sequence | None:
     at most `--max-batch` requests run, so none waits forever."""
     waiting = [s for s in seqs if s.phase is Phase.PREFILL]
     return min(waiting, key=lambda s: s.to_prefill) if waiting else None
+
+
+def prefill_group(seqs: list[Sequence], chunk: int, lm: LoadedModel) -> list[Sequence]:
+    """The prompts that prefill together in this step: those whose whole rest (all but the
+    last token) fits in one `chunk`, with caches that merge alike (the commonest kind), as
+    mlx-lm's prompt batching takes them. Empty unless at least two qualify, and on the
+    compiled CPU runner, whose batched step already takes short suffixes as rows.
+    Quantized caches are left out: their batch form has no right padding (`prepare`).
+    `LMSP_PREFILL_TOGETHER=0` turns it off (benchmarks/prompt_batching.py compares)."""
+    if lm.runner.batch is not None or os.environ.get("LMSP_PREFILL_TOGETHER", "1") == "0":
+        return []
+    short = [s for s in seqs if s.phase is Phase.PREFILL and s.together and s.params.max_tokens > 0
+             and 1 <= len(s.params.prompt) - 1 - s.cursor <= chunk]
+    if len(short) < 2:
+        return []
+    kinds = {id(s): tuple(layer_kind(c) for c in s.cache) for s in short}
+    group = _commonest(short, lambda s: None if any(k is None or k[0] == "quantized" for k in kinds[id(s)])
+                       else kinds[id(s)])
+    return group if len(group) > 1 else []
 
 
 def chunk_size(seq: Sequence, chunk: int, others: bool) -> int:
@@ -83,6 +103,37 @@ class Batch:
 
     def release(self, seq: Sequence) -> None:
         self._merged.release(seq)
+
+    def prefill(self, seqs: list[Sequence]) -> None:
+        """Run the rest of each of `seqs`' prompts (a `prefill_group`: all but the last token)
+        in one forward, their caches merged layer by layer (`merge_layer`) and the rows right-
+        padded to the longest, as mlx-lm's prompt batching does (`prepare`, then `finalize`
+        moves the padding left). Each sequence gets its row back in its own cache and waits
+        for its first token in the next decode step, its last prompt token pending: the
+        prompts that arrive together get their first tokens from one forward and one step.
+        Their own caches are not touched until the forward is done: where it raises, each
+        is left as it was, marked to prefill alone, and the failure is logged."""
+        feeds = [s.params.prompt[s.cursor : -1] for s in seqs]
+        lengths = [len(f) for f in feeds]
+        width = max(lengths)
+        try:
+            cache = [merge_layer([s.cache[i] for s in seqs]) for i in range(len(seqs[0].cache))]
+            for c in cache:
+                c.prepare(lengths=lengths, right_padding=[width - n for n in lengths])
+            self.lm.runner.prefill(mx.array([f + [0] * (width - len(f)) for f in feeds]), cache)
+            for c in cache:
+                c.finalize()
+            rows = [[c.extract(i) for c in cache] for i in range(len(seqs))]
+            mx.eval([a for _, a in tree_flatten([[c.state for c in row] for row in rows]) if isinstance(a, mx.array)])
+        except Exception:
+            log.exception("a batched prefill of %d prompts failed; each prefills alone", len(seqs))
+            for s in seqs:
+                s.together = False
+            return
+        log.info("prefill: %d prompts in one forward (%d tokens, rows padded to %d)", len(seqs), sum(lengths), width)
+        for s, row in zip(seqs, rows):
+            s.cache[:] = row  # in place: the session holds this list
+            s.prefilled_but_last()
 
     def step(self, seqs: list[Sequence]) -> dict[Sequence, Exception]:
         """One token for each of `seqs`; returns the sequences that failed, with why."""

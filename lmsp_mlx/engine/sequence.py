@@ -149,6 +149,7 @@ class Sequence:
     result: Finished | None = None
     pending: list[int] = field(default_factory=list)  # the tokens the next decode step feeds
     alone: str | None = None  # why this sequence steps outside the batched forward (logged once)
+    together: bool = True  # its prompt may prefill in one forward with others' (engine/batch.py `prefill_group`)
 
     def __post_init__(self) -> None:
         p = self.params
@@ -214,6 +215,13 @@ class Sequence:
             logits = self.lm.runner.last_logits(p.prompt[-self.tail:], self.cache)
             self.cursor = len(p.prompt)
             self.take(logits)
+
+    def prefilled_but_last(self) -> None:
+        """Its prompt is in the cache but for the last token (a batched prefill ran the rest):
+        that token is fed by the next decode step, which gives the first token's logits."""
+        self.cursor = len(self.params.prompt) - 1
+        self.pending = self.params.prompt[-1:]
+        self.phase = Phase.DECODE
 
     # -- decode -----------------------------------------------------------------------------
 

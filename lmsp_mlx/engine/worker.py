@@ -31,7 +31,7 @@ from ..cache.pool import CacheSource, Start
 from ..protocol.auth import LOCAL_OWNER
 from ..protocol.routes import Route
 from .events import Failed, Finished, GenerationEvent, TextDelta, Usage
-from .batch import chunk_size, next_prefill
+from .batch import chunk_size, next_prefill, prefill_group
 from .catalog import Catalog
 from .generate import GenerationParams
 from .loader import LoadedModel
@@ -391,7 +391,10 @@ class Engine:
             self._step_model(slot, [r for r in self._active if r.job.slot is slot])
 
     def _step_model(self, slot: ModelSlot, runs: list[Running]) -> None:
-        if (seq := next_prefill([r.seq for r in runs])) is not None:
+        chunk = min(r.job.params.prefill_step for r in runs)
+        if group := prefill_group([r.seq for r in runs], chunk, slot.lm):
+            slot.batch.prefill(group)  # short prompts that arrived together: one forward
+        elif (seq := next_prefill([r.seq for r in runs])) is not None:
             run = next(r for r in runs if r.seq is seq)
             try:
                 seq.prefill_chunk(chunk_size(seq, run.job.params.prefill_step, len(self._active) > 1))
