@@ -10,6 +10,7 @@ so that greedy choices have no near-tie.
 
 from __future__ import annotations
 
+import json
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
@@ -248,3 +249,33 @@ def test_prompts_sent_at_once_get_their_replies_alone_and_later_turns_reuse_the_
     assert second["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
     assert retry["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
     assert retry["choices"][0]["message"]["content"] == second["choices"][0]["message"]["content"]
+
+
+WEATHER = {"name": "get_weather", "description": "Weather in a city.",
+           "parameters": {"type": "object", "properties": {"city": {"type": "string", "enum": ["Oslo", "Paris"]}},
+                          "required": ["city"], "additionalProperties": False}}
+
+
+def test_a_required_tool_call_comes_back_as_a_call_on_every_family(family_server):
+    """A random model calls a tool only when told to: with the tool named, the grammar
+    makes its reply one call whose arguments fit the schema, on Chat and on Messages."""
+    url, user = family_server.url, {"role": "user", "content": "Weather in Oslo?"}
+    chat = HTTP.post(url + "/v1/chat/completions", timeout=120, json={
+        "model": "m", "messages": [user], "max_tokens": 200, "temperature": 0,
+        "tools": [{"type": "function", "function": {**WEATHER, "strict": True}}],
+        "tool_choice": {"type": "function", "function": {"name": "get_weather"}}})
+    assert chat.status_code == 200, chat.text
+    choice = chat.json()["choices"][0]
+    assert choice["finish_reason"] == "tool_calls"
+    [call] = choice["message"]["tool_calls"]
+    assert call["function"]["name"] == "get_weather"
+    assert json.loads(call["function"]["arguments"])["city"] in ("Oslo", "Paris")
+    messages = HTTP.post(url + "/v1/messages", timeout=120, json={
+        "model": "m", "messages": [user], "max_tokens": 200,
+        "tools": [{"name": WEATHER["name"], "description": WEATHER["description"], "input_schema": WEATHER["parameters"]}],
+        "tool_choice": {"type": "tool", "name": "get_weather"}})
+    assert messages.status_code == 200, messages.text
+    body = messages.json()
+    assert body["stop_reason"] == "tool_use"
+    [use] = [b for b in body["content"] if b["type"] == "tool_use"]
+    assert use["name"] == "get_weather" and use["input"]["city"] in ("Oslo", "Paris")

@@ -43,7 +43,7 @@ from ..cache.batch import BatchQuantizedKVCache, fits, write_row
 from .events import Finished, GenerationEvent
 from .generate import GenerationParams
 from .loader import LoadedModel
-from .sequence import Phase, Sequence
+from .sequence import Phase, Sequence, sample_rows
 
 log = logging.getLogger("lmsp_mlx.engine")
 
@@ -155,8 +155,8 @@ class Batch:
             if logits is None:
                 alone += group
                 continue
-            for i, s in enumerate(group):
-                _take(s, logits[i : i + 1], failed)
+            for s, token in zip(group, sample_rows(group, logits)):
+                _take_token(s, token, failed)
         for s in alone:
             self._merged.release(s)
             try:
@@ -345,6 +345,16 @@ def _take(s: Sequence, logits: mx.array, failed: dict[Sequence, Exception]) -> N
     try:
         s.take(logits)
     except Exception as exc:  # a grammar, a detokenizer, a client's callback: this sequence's alone
+        failed[s] = exc
+
+
+def _take_token(s: Sequence, token: int | Exception, failed: dict[Sequence, Exception]) -> None:
+    if isinstance(token, Exception):
+        failed[s] = token
+        return
+    try:
+        s.take_token(token)
+    except Exception as exc:  # a detokenizer, a client's callback: this sequence's alone
         failed[s] = exc
 
 

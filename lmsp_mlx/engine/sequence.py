@@ -79,6 +79,67 @@ def _last(tokens: list[int], marker: tuple[int, ...]) -> int:
     return next((i for i in range(len(tokens) - n, -1, -1) if tuple(tokens[i:i + n]) == marker), -1)
 
 
+@dataclass(frozen=True)
+class Draw:
+    """How a token is drawn from adjusted logits: greedy at temperature 0."""
+
+    temperature: float
+    top_p: float
+    top_k: int
+
+
+def draw(logits: mx.array, how: Draw, key: mx.array | None = None) -> list[int]:
+    """One token per row of `logits` (rows, vocab), all drawn as `how` says, with one sync."""
+    if how.temperature == 0:
+        return mx.argmax(logits, axis=-1).tolist()
+    logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    if 0 < how.top_k < logprobs.shape[-1]:
+        logprobs = apply_top_k(logprobs, how.top_k)
+    if how.top_p < 1:
+        logprobs = apply_top_p(logprobs, how.top_p)
+    return mx.random.categorical(logprobs * (1.0 / how.temperature), key=key).tolist()
+
+
+def sample_rows(seqs: list["Sequence"], logits: mx.array) -> list[int | Exception]:
+    """Each sequence's next token from its row of `logits` (len(seqs), vocab): the rows of
+    one draw setting go through one `draw` (one sync for all, not one a sequence); a seeded
+    sequence draws alone from its own key chain. A row whose adjustment or draw raises
+    gets its exception; the others their tokens."""
+    out: list[int | Exception | None] = [None] * len(seqs)
+    groups: dict[Draw, list[tuple[int, mx.array]]] = {}
+    for i, s in enumerate(seqs):
+        try:
+            if (token := s.sampler.forced()) is not None:
+                out[i] = token
+                continue
+            row = s.sampler.adjusted(logits[i : i + 1], s.reply)
+            if s.sampler.shared:
+                groups.setdefault(s.sampler.settings, []).append((i, row))
+            else:
+                out[i] = draw(row, s.sampler.settings, s.sampler._next_key())[0]
+        except Exception as exc:  # a grammar's mask, a bad bias: this sequence's alone
+            out[i] = exc
+    for how, rows in groups.items():
+        try:
+            tokens = draw(mx.concatenate([r for _, r in rows]), how)
+        except Exception:  # retried row by row, so that only a failing row fails
+            tokens = []
+            for _, r in rows:
+                try:
+                    tokens.append(draw(r, how)[0])
+                except Exception as exc:
+                    tokens.append(exc)
+        for (i, _), token in zip(rows, tokens):
+            out[i] = token
+    for i, s in enumerate(seqs):
+        if isinstance(out[i], int):
+            try:
+                s.sampler.taken(out[i])
+            except Exception as exc:
+                out[i] = exc
+    return out
+
+
 def reasoning_budget(params: GenerationParams, tokenizer) -> ReasoningBudget | None:
     """The budget of a request that sets one, for a tokenizer whose think markers are known."""
     start, end = getattr(tokenizer, "think_start_tokens", None), getattr(tokenizer, "think_end_tokens", None)
@@ -105,27 +166,41 @@ class Sampler:
 
     def __call__(self, logits: mx.array, reply: list[int]) -> int:
         """The next token after `reply`, from this step's logits (1, vocab)."""
-        if self.budget is not None and (token := self.budget.forced()) is not None:
-            return self._taken(token)
+        if (token := self.forced()) is not None:
+            return self.taken(token)
+        [token] = draw(self.adjusted(logits, reply), self.settings, self._next_key())
+        return self.taken(token)
+
+    @property
+    def settings(self) -> Draw:
+        return Draw(self.temperature, self.top_p, self.top_k)
+
+    @property
+    def shared(self) -> bool:
+        """Whether its draw may share one call with other rows of the same settings: no seed
+        (a seeded sequence draws from its own key chain)."""
+        return self._key is None
+
+    def forced(self) -> int | None:
+        """The token the reasoning budget forces this step, if any (no logits needed)."""
+        return self.budget.forced() if self.budget is not None else None
+
+    def adjusted(self, logits: mx.array, reply: list[int]) -> mx.array:
+        """The logits (1, vocab) after the grammar mask, the penalties and logit_bias (lazy)."""
         if self.constraint is not None:
             logits = self.constraint.apply(logits)
         if self.penalties is not None:
             logits = self.penalties.apply(mx.array(reply, dtype=mx.int32), logits)
-        if self.temperature == 0:
-            token = int(mx.argmax(logits, axis=-1).item())
-        else:
-            logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-            if 0 < self.top_k < logprobs.shape[-1]:
-                logprobs = apply_top_k(logprobs, self.top_k)
-            if self.top_p < 1:
-                logprobs = apply_top_p(logprobs, self.top_p)
-            key = None
-            if self._key is not None:
-                self._key, key = mx.random.split(self._key)
-            token = int(mx.random.categorical(logprobs * (1.0 / self.temperature), key=key).item())
-        return self._taken(token)
+        return logits
 
-    def _taken(self, token: int) -> int:
+    def _next_key(self) -> mx.array | None:
+        if self._key is None:
+            return None
+        self._key, key = mx.random.split(self._key)
+        return key
+
+    def taken(self, token: int) -> int:
+        """Record `token` as drawn (the grammar and the reasoning budget advance); returns it."""
         if self.constraint is not None:
             self.constraint.consume(token)
         if self.budget is not None:
@@ -227,8 +302,11 @@ class Sequence:
 
     def take(self, logits: mx.array) -> None:
         """Sample from the logits (1, vocab) the step gave after `pending`, and stream the token."""
+        self.take_token(self.sampler(logits, self.reply))
+
+    def take_token(self, token: int) -> None:
+        """Stream `token`, drawn by `sample_rows` or `take` (already recorded by the sampler)."""
         p = self.params
-        token = self.sampler(logits, self.reply)
         self.sampled.append(token)
         self.reply.append(token)
         if self.first is None:
