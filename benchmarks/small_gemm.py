@@ -1,14 +1,14 @@
 """A few activation rows times a weight, the product of a batched decode step through MLX:
 OpenBLAS's sgemm against decode.c's batched product, in one run.
 
-    python -m benchmarks.small_gemm [--rows 1,2,4,8,12] [--repeats 50] [--out DIR] [--append]
+    python -m benchmarks.small_gemm [--rows 1,2,4,8,16,24,32] [--repeats 50] [--out DIR] [--append]
 
 Each case times `mx.eval(x @ w.T)` (x: rows x K, w: N x K, float32) best of `--repeats`,
 with the shim's small-row product (the default) and with it turned off
 (`LMSP_SMALL_GEMM=0`), in two child processes of each, alternating (the shim reads the
-setting when MLX loads); each case keeps its best. One row goes
-to sgemv either way, and 12 or more rows to OpenBLAS's sgemm. Writes
-benchmarks/results/small_gemm.csv (with the run's provenance) and prints a Markdown table.
+setting when MLX loads); each case keeps its best. One row goes to sgemv either way, and
+more than 24 rows to OpenBLAS's sgemm. Writes benchmarks/results/small_gemm.csv (with the
+run's provenance) and prints a Markdown table.
 """
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ def measure(rows: list[int], repeats: int, small: bool) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--rows", default="1,2,4,8,12")
+    p.add_argument("--rows", default="1,2,4,8,16,24,32")
     p.add_argument("--repeats", type=int, default=50)
     output_arguments(p)
     args = p.parse_args()

@@ -36,7 +36,7 @@ def test_the_shim_is_active():
 
 @linux
 @pytest.mark.skipif(cpu_blas.decode_kernel() is None, reason="the compiled decode module is not built")
-@pytest.mark.parametrize("rows", [2, 5, 8])
+@pytest.mark.parametrize("rows", [2, 5, 8, 13, 24])
 def test_a_few_rows_times_a_weight_take_the_small_row_product(rows):
     """A batched decode step's shape (x @ W.T, a few rows): decode.c's product, not OpenBLAS's sgemm."""
     rng = np.random.default_rng(rows)
@@ -51,7 +51,7 @@ def test_a_few_rows_times_a_weight_take_the_small_row_product(rows):
 
 
 SHAPES = [(64, 48, 80), (1, 300, 257), (257, 300, 1), (1, 1, 64), (3, 1, 5), (1, 7, 1), (130, 1, 70),
-          (2, 300, 257), (8, 64, 96), (5, 13, 70), (9, 64, 96)]  # 2-8 rows: decode.c's product where it takes them
+          (2, 300, 257), (8, 64, 96), (5, 13, 70), (9, 64, 96), (24, 40, 33), (25, 40, 33)]  # 2-24 rows: decode.c's product where it takes them
 
 
 @pytest.mark.parametrize("m, k, n", SHAPES)

@@ -74,10 +74,10 @@ def accelerate() -> str:
     _status = f"{_openblas_config(openblas)} (numpy's), sgemv for one-row products"
     decode = decode_kernel()
     if decode is not None and os.environ.get("LMSP_SMALL_GEMM", "1") != "0":
-        # 2-8 activation rows times a weight (MLX's batched decode steps): decode.c's product
+        # 2-24 activation rows times a weight (MLX's batched decode steps): decode.c's product
         # reads each weight row once, where OpenBLAS's sgemm packs the whole weight per call.
         _shim.lmsp_blas_set_small_gemm(ctypes.cast(decode.lmsp_small_gemm, ctypes.c_void_p))
-        _status += ", decode.c's batched product for 2-8 rows"
+        _status += ", decode.c's batched product for 2-24 rows"
     global _openblas
     _openblas = ctypes.CDLL(str(openblas))
     if not hasattr(_openblas, "blas_thread_shutdown_"):

@@ -401,10 +401,49 @@ int lmsp_decode_step(const lmsp_model *m, int32_t token, int32_t pos, const floa
 LMSP_ROW_BATCH(4)
 LMSP_ROW_BATCH(8)
 
+/* Two weight rows against up to 4 sequences' inputs: 8 accumulators, 6 loads per 8 FMAs
+ * where row_batch8 needs 9 per 8. For more than 4 sequences the pair is read once per 4
+ * (from L1 after the first: `fetch` prefetches the next pair on that pass only). Each sum
+ * runs in row_batch's order, so the logits stay bitwise the one-sequence step's. */
+__attribute__((target("avx2,fma"))) static void pair_batch4(const float *row, const float *x, float *y, int64_t n,
+                                                            int64_t m, int64_t nb, int add, int fetch) {
+    const int64_t n8 = n & ~(int64_t)7;
+    const float *row2 = row + n;
+    const float *xs[4];
+    for (int k = 0; k < 4; k++) xs[k] = x + (k < nb ? k : 0) * n;
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, b0 = a0, b1 = a0, b2 = a0, b3 = a0;
+    for (int64_t i = 0; i < n8; i += 8) {
+        if (fetch) {
+            _mm_prefetch((const char *)(row + 2 * n + i), _MM_HINT_T0);
+            _mm_prefetch((const char *)(row2 + 2 * n + i), _MM_HINT_T0);
+        }
+        __m256 w1 = _mm256_loadu_ps(row + i), w2 = _mm256_loadu_ps(row2 + i), v;
+        v = _mm256_loadu_ps(xs[0] + i), a0 = _mm256_fmadd_ps(w1, v, a0), b0 = _mm256_fmadd_ps(w2, v, b0);
+        v = _mm256_loadu_ps(xs[1] + i), a1 = _mm256_fmadd_ps(w1, v, a1), b1 = _mm256_fmadd_ps(w2, v, b1);
+        v = _mm256_loadu_ps(xs[2] + i), a2 = _mm256_fmadd_ps(w1, v, a2), b2 = _mm256_fmadd_ps(w2, v, b2);
+        v = _mm256_loadu_ps(xs[3] + i), a3 = _mm256_fmadd_ps(w1, v, a3), b3 = _mm256_fmadd_ps(w2, v, b3);
+    }
+    __m256 acc[2][4] = {{a0, a1, a2, a3}, {b0, b1, b2, b3}};
+    for (int p = 0; p < 2; p++) {
+        const float *w = p ? row2 : row;
+        for (int k = 0; k < 4 && k < nb; k++) {
+            float s = hsum8(acc[p][k]);
+            for (int64_t i = n8; i < n; i++) s += w[i] * xs[k][i];
+            y[k * m + p] = add ? y[k * m + p] + s : s;
+        }
+    }
+}
+
 __attribute__((target("avx2,fma"))) static void rows_batch_avx2(const float *w, const float *x, float *y, int64_t r0,
                                                                 int64_t r1, int64_t n, int64_t m, int64_t nb,
                                                                 int add) {
-    for (int64_t r = r0; r < r1; r++) {
+    int64_t r = r0;
+    if (nb > 4) { /* pairs of rows, 4 sequences at a time: 1.2-1.4x row_batch8 at 8 (4 or fewer: memory-bound alike) */
+        for (; r + 2 <= r1; r += 2)
+            for (int64_t j = 0; j < nb; j += 4)
+                pair_batch4(w + r * n, x + j * n, y + j * m + r, n, m, nb - j < 4 ? nb - j : 4, add, j == 0);
+    }
+    for (; r < r1; r++) {
         for (int64_t j = 0; j < nb; j += 8) {
             const int64_t left = nb - j < 8 ? nb - j : 8;
             if (left <= 4)
@@ -435,7 +474,7 @@ static void gemm_part(const float *w, const float *x, float *y, int64_t m, int64
 
 /* Y = X W^T for a few rows of X, all threads: X (nb, n), Y (nb, m), W (m, n) row-major.
  * The BLAS shim sends MLX's small-batch products here (a batched decode step through MLX
- * multiplies 2-16 rows by every weight): OpenBLAS's sgemm packs all of W on every call and
+ * multiplies 2-24 rows by every weight): OpenBLAS's sgemm packs all of W on every call and
  * took 1.7 ms for 8 rows of a 1024x4096 weight, 8.6x its one-row sgemv, where this reads
  * each weight row once for all the rows. */
 void lmsp_small_gemm(const float *w, const float *x, float *y, int64_t m, int64_t n, int64_t nb) {

@@ -29,7 +29,7 @@ static sgemv_fn real_sgemv;
 static small_gemm_fn small_gemm; /* NULL until lmsp_blas_set_small_gemm: then 2..SMALL_ROWS rows go there */
 static long long forwarded_gemm, forwarded_gemv, forwarded_small;
 
-#define SMALL_ROWS 8
+#define SMALL_ROWS 24 /* past it OpenBLAS is as fast (benchmarks/small_gemm.py: 1.2x at 24 rows, 1.02x at 32) */
 
 /* The batched product for a few rows (NULL turns it off); Python sets it once the
  * compiled decode module is loaded, which this library cannot link against. */
