@@ -116,6 +116,12 @@ def decode_kernel() -> ctypes.CDLL | None:
         spec = importlib.util.find_spec("lmsp_mlx.cpu_blas._decode")
         if spec is None or spec.origin is None:
             return None
+        # libgomp, loaded with this module, reads it once: its workers spin 300,000 times
+        # after each parallel region (milliseconds here) before they sleep. Between the
+        # small-row products of an MLX step that spin took a core from MLX's own thread
+        # and OpenBLAS's (Qwen3-Next at 4 sequences: 49 against 174 tok/s); 3,000 still
+        # covers the compiled step's barriers (its decode and batched figures held).
+        os.environ.setdefault("GOMP_SPINCOUNT", "3000")
         _decode = declare_decode(ctypes.CDLL(spec.origin))
     return _decode
 
@@ -147,6 +153,8 @@ def blas_ran() -> None:
     sgemms, numpy's matmuls) say so here, so the next `park_blas_threads` parks them."""
     global _parked_at
     _parked_at = -1
+    if _shim is not None:
+        _shim.lmsp_blas_note(1)  # the shim's small-row products keep to one thread meanwhile
 
 
 def park_blas_threads() -> None:
@@ -167,3 +175,4 @@ def park_blas_threads() -> None:
         mx.synchronize()  # no MLX op may be inside OpenBLAS while its threads stop
         _openblas.blas_thread_shutdown_()
         _parked_at = calls
+        _shim.lmsp_blas_note(0)

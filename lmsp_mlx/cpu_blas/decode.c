@@ -472,14 +472,41 @@ static void gemm_part(const float *w, const float *x, float *y, int64_t m, int64
     }
 }
 
-/* Y = X W^T for a few rows of X, all threads: X (nb, n), Y (nb, m), W (m, n) row-major.
- * The BLAS shim sends MLX's small-batch products here (a batched decode step through MLX
- * multiplies 2-24 rows by every weight): OpenBLAS's sgemm packs all of W on every call and
- * took 1.7 ms for 8 rows of a 1024x4096 weight, 8.6x its one-row sgemv, where this reads
- * each weight row once for all the rows. */
-void lmsp_small_gemm(const float *w, const float *x, float *y, int64_t m, int64_t n, int64_t nb) {
+/* Below this many multiply-adds a product runs on the calling thread: waking the team
+ * would cost more than the product. */
+#define SERIAL_FLOATS 65536
+
+/* Rows [r0, r1) of Y = X W^T: X (nb, n), Y (nb, m), W (m, n) row-major. */
+static void product_rows(const float *w, const float *x, float *y, int64_t r0, int64_t r1, int64_t m, int64_t n,
+                         int64_t nb) {
+    if (nb == 1) {
+        if (has_avx2())
+            rows_avx2(w, x, y, r0, r1, n, 0);
+        else
+            rows_scalar(w, x, y, r0, r1, n, 0);
+    } else if (has_avx2()) {
+        rows_batch_avx2(w, x, y, r0, r1, n, m, nb, 0);
+    } else {
+        for (int64_t j = 0; j < nb; j++) rows_scalar(w, x + j * n, y + j * m, r0, r1, n, 0);
+    }
+}
+
+/* Y = X W^T for 2-24 rows of X: X (nb, n), Y (nb, m), W (m, n) row-major. The BLAS shim
+ * sends MLX's batched decode products here (one row per sequence times every weight):
+ * OpenBLAS's sgemm packs all of W on every call, 1.5 ms for 2 or 8 rows of a 4096x1024
+ * weight against 0.13 ms for one row, where this reads each weight row once for all the
+ * rows. `serial`: on the calling thread only (the shim's call while OpenBLAS's workers may
+ * still spin); a small product also runs there, a team would cost more than it. */
+void lmsp_small_gemm(const float *w, const float *x, float *y, int64_t m, int64_t n, int64_t nb, int serial) {
+    if (serial || m * n * nb < SERIAL_FLOATS) {
+        product_rows(w, x, y, 0, m, m, n, nb);
+        return;
+    }
 #pragma omp parallel
-    gemm_part(w, x, y, m, n, nb, 0);
+    {
+        int64_t r0, r1;
+        if (thread_rows(m, &r0, &r1)) product_rows(w, x, y, r0, r1, m, n, nb);
+    }
 }
 
 /* Floats of scratch lmsp_decode_batch needs for `nb` sequences at positions `pos`. */

@@ -25,7 +25,7 @@
 
 /* y (n x out) = x (n x in) W^T, plus y when `add`: W is (out, in) row-major, as nn.Linear's. */
 static void linear(const float *x, const float *w, float *y, int64_t n, int64_t in, int64_t out, int add) {
-    lmsp_real_sgemm(RowMajor, NoTrans, Trans, n, out, in, 1.0f, x, in, w, in, add ? 1.0f : 0.0f, y, out);
+    lmsp_blas_sgemm(RowMajor, NoTrans, Trans, n, out, in, 1.0f, x, in, w, in, add ? 1.0f : 0.0f, y, out);
 }
 
 /* Floats of scratch lmsp_prefill needs for a chunk of n tokens. */

@@ -133,7 +133,7 @@ int lmsp_causal_attention(const float *q, const float *k, const float *v, float 
         int64_t positions = length - start < step ? length - start : step;
         int64_t rows = positions * group;
         int64_t seen = offset + start + positions; /* keys the block's last position sees */
-        lmsp_real_sgemm(RowMajor, NoTrans, Trans, rows, seen, dim, scale, q + start * group * dim, dim, k, dim,
+        lmsp_blas_sgemm(RowMajor, NoTrans, Trans, rows, seen, dim, scale, q + start * group * dim, dim, k, dim,
                         0.0f, scores, seen);
         for (int64_t r = 0; r < rows; r++) {
             float *row = scores + r * seen;
@@ -142,7 +142,7 @@ int lmsp_causal_attention(const float *q, const float *k, const float *v, float 
             memset(row + visible, 0, sizeof(float) * (seen - visible));
         }
         float *dst = out + start * group * dim;
-        lmsp_real_sgemm(RowMajor, NoTrans, NoTrans, rows, dim, seen, 1.0f, scores, seen, v, dim, 0.0f, dst, dim);
+        lmsp_blas_sgemm(RowMajor, NoTrans, NoTrans, rows, dim, seen, 1.0f, scores, seen, v, dim, 0.0f, dst, dim);
         for (int64_t r = 0; r < rows; r++) {
             float inv = 1.0f / sums[r];
             for (int64_t d = 0; d < dim; d++) dst[r * dim + d] *= inv;

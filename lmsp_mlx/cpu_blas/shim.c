@@ -15,6 +15,7 @@
 #include <Python.h>
 #include <dlfcn.h>
 #include <stdint.h>
+#include <time.h>
 
 #include "blas.h"
 
@@ -22,7 +23,8 @@ typedef void (*sgemv_fn)(int, int, int64_t, int64_t, float, const float *, int64
                          int64_t, float, float *, int64_t);
 
 /* Y = X W^T for a few rows of X (decode.c's lmsp_small_gemm, in the OpenMP module). */
-typedef void (*small_gemm_fn)(const float *w, const float *x, float *y, int64_t m, int64_t n, int64_t nb);
+typedef void (*small_gemm_fn)(const float *w, const float *x, float *y, int64_t m, int64_t n, int64_t nb,
+                              int serial);
 
 sgemm_fn lmsp_real_sgemm; /* also used by prefill.c and forward.c */
 static sgemv_fn real_sgemv;
@@ -34,6 +36,38 @@ static long long forwarded_gemm, forwarded_gemv, forwarded_small;
 /* The batched product for a few rows (NULL turns it off); Python sets it once the
  * compiled decode module is loaded, which this library cannot link against. */
 void lmsp_blas_set_small_gemm(small_gemm_fn f) { small_gemm = f; }
+
+/* OpenBLAS's workers spin for some 100 ms after a call they took part in. A thread team
+ * started meanwhile fights them for the cores (a model whose steps interleave OpenBLAS
+ * calls with small-row products, Qwen3-Next's, ran 0.8x OpenBLAS alone), so the small-row
+ * product runs on the calling thread until that window has passed since OpenBLAS's last
+ * call of a size it threads; alone it still beats OpenBLAS's sgemm, which packs the whole
+ * weight. */
+#define SPIN_WINDOW_NS 150000000LL
+#define THREADED_FLOPS 65536 /* below this OpenBLAS runs a call on the caller's thread */
+static long long openblas_last_ns = -SPIN_WINDOW_NS;
+
+static long long now_ns(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (long long)t.tv_sec * 1000000000LL + t.tv_nsec;
+}
+
+static void openblas_called(int64_t flops) {
+    if (flops >= THREADED_FLOPS) openblas_last_ns = now_ns();
+}
+
+static int openblas_spinning(void) { return now_ns() - openblas_last_ns < SPIN_WINDOW_NS; }
+
+/* Python says so: 1 after numpy's matmuls (OpenBLAS's workers may spin), 0 once it parked
+ * them (cpu_blas.park_blas_threads). */
+void lmsp_blas_note(int spinning) { openblas_last_ns = spinning ? now_ns() : -SPIN_WINDOW_NS; }
+
+void lmsp_blas_sgemm(int order, int ta, int tb, int64_t M, int64_t N, int64_t K, float alpha, const float *A,
+                     int64_t lda, const float *B, int64_t ldb, float beta, float *C, int64_t ldc) {
+    lmsp_real_sgemm(order, ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
+    openblas_called(M * N * K);
+}
 
 /* Returns 0 when `path` is an OpenBLAS with the expected symbols. */
 int lmsp_blas_init(const char *path) {
@@ -50,6 +84,14 @@ long long lmsp_blas_calls(int which) { return which == 2 ? forwarded_small : whi
 /* Row-major C = alpha * op(A) op(B) + beta * C. */
 static void row_major(int ta, int tb, int64_t M, int64_t N, int64_t K, float alpha, const float *A,
                       int64_t lda, const float *B, int64_t ldb, float beta, float *C, int64_t ldc) {
+    if (small_gemm && M >= 2 && M <= SMALL_ROWS && ta == NoTrans && tb == Trans && alpha == 1.0f && beta == 0.0f &&
+        lda == K && ldb == K && ldc == N && K > 0) {
+        /* C (M x N) = A B^T, A a few activation rows, B a weight (N x K): each weight row read
+         * once. On the calling thread alone while OpenBLAS's workers may still spin. */
+        small_gemm(B, A, C, N, K, M, openblas_spinning());
+        forwarded_small++;
+        return;
+    }
     if (M == 1 && N > 1 && K > 0) {
         /* c (1xN) = a (1xK) op(B): y = op(B)^T a. a's elements are lda apart when A is transposed. */
         int64_t inca = ta == NoTrans ? 1 : lda;
@@ -58,6 +100,7 @@ static void row_major(int ta, int tb, int64_t M, int64_t N, int64_t K, float alp
         else
             real_sgemv(RowMajor, NoTrans, N, K, alpha, B, ldb, A, inca, beta, C, 1);
         forwarded_gemv++;
+        openblas_called(N * K);
         return;
     }
     if (N == 1 && M > 1 && K > 0) {
@@ -68,17 +111,12 @@ static void row_major(int ta, int tb, int64_t M, int64_t N, int64_t K, float alp
         else
             real_sgemv(RowMajor, Trans, K, M, alpha, A, lda, B, incb, beta, C, ldc);
         forwarded_gemv++;
-        return;
-    }
-    if (small_gemm && M >= 2 && M <= SMALL_ROWS && ta == NoTrans && tb == Trans && alpha == 1.0f && beta == 0.0f &&
-        lda == K && ldb == K && ldc == N && K > 0) {
-        /* C (M x N) = A B^T, A a few activation rows, B a weight (N x K): each weight row read once. */
-        small_gemm(B, A, C, N, K, M);
-        forwarded_small++;
+        openblas_called(M * K);
         return;
     }
     lmsp_real_sgemm(RowMajor, ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
     forwarded_gemm++;
+    openblas_called(M * N * K);
 }
 
 void cblas_sgemm(int order, int ta, int tb, int M, int N, int K, float alpha, const float *A, int lda,
