@@ -3,7 +3,7 @@
 The engine never calls a model itself. It asks the model's runner, chosen once at load
 (`choose`, which logs it in one line), for the operations a step needs:
 - `prefill(tokens, cache)`: a prompt chunk's K/V into `cache`, through the model's body
-  only (no output head: its logits would be thrown away);
+  only (no output head: its logits would be thrown away); `hidden` is that pass's output;
 - `last_logits(tokens, cache)`: one sequence's logits after `tokens`, the head computed
   for the last position only;
 - `forward(tokens, cache)`: the model's own pass, (B, L) tokens to (B, L, vocab) logits:
@@ -45,6 +45,8 @@ class Runner(Protocol):
     def forward(self, tokens: mx.array, cache: list) -> mx.array: ...
 
     def prefill(self, tokens: mx.array, cache: list) -> None: ...
+
+    def hidden(self, *args, **kwargs) -> mx.array: ...
 
     def last_logits(self, tokens: list[int], cache: list) -> mx.array: ...
 

@@ -116,7 +116,7 @@ def sample_rows(seqs: list["Sequence"], logits: mx.array) -> list[int | Exceptio
             if s.sampler.shared:
                 groups.setdefault(s.sampler.settings, []).append((i, row))
             else:
-                out[i] = draw(row, s.sampler.settings, s.sampler._next_key())[0]
+                out[i] = draw(row, s.sampler.settings, s.sampler.next_key())[0]
         except Exception as exc:  # a grammar's mask, a bad bias: this sequence's alone
             out[i] = exc
     for how, rows in groups.items():
@@ -168,7 +168,7 @@ class Sampler:
         """The next token after `reply`, from this step's logits (1, vocab)."""
         if (token := self.forced()) is not None:
             return self.taken(token)
-        [token] = draw(self.adjusted(logits, reply), self.settings, self._next_key())
+        [token] = draw(self.adjusted(logits, reply), self.settings, self.next_key())
         return self.taken(token)
 
     @property
@@ -193,7 +193,7 @@ class Sampler:
             logits = self.penalties.apply(mx.array(reply, dtype=mx.int32), logits)
         return logits
 
-    def _next_key(self) -> mx.array | None:
+    def next_key(self) -> mx.array | None:
         if self._key is None:
             return None
         self._key, key = mx.random.split(self._key)
