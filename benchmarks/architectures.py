@@ -15,7 +15,8 @@ replies run full length) from:
 - mlx_lm.server with `--decode-concurrency W --prompt-concurrency W`, given lmsp-mlx's CPU
   math (benchmarks/common.py MLX_LM_WRAPPER).
 
-`LMSP_CPU_DECODE=0` for both: llama runs through MLX, as on a Mac, not the compiled CPU step.
+`LMSP_CPU_DECODE=0` and `LMSP_CPU_PREFILL=0` for both: llama runs through MLX, as on a
+Mac, not the compiled CPU passes.
 Writes benchmarks/results/architectures.csv (with the run's provenance) and
 architectures.png, and prints a Markdown table with each width's ratio to the peer and
 each server's 8-stream aggregate over its single stream.
@@ -69,7 +70,7 @@ def main() -> None:
         table(rows, sorted({r["width"] for r in rows}))
         return
     provenance = Provenance.gather()
-    os.environ["LMSP_CPU_DECODE"] = "0"  # both servers inherit it: the MLX path, as on a Mac
+    os.environ.update(LMSP_CPU_DECODE="0", LMSP_CPU_PREFILL="0")  # both servers inherit them: the MLX path, as on a Mac
     widths = [int(w) for w in args.widths.split(",")]
     folder = Path(tempfile.mkdtemp(prefix="architectures-"))
     bias = {str(i): -100.0 for i in EOS}

@@ -4,7 +4,8 @@
                                          [--prompts 8] [--prompt-words 50] [--rounds 3] [--out DIR] [--append]
 
 Each family (tests/tiny_model.py, widened as benchmarks/architectures.py widens them:
-tens of millions of parameters, float32, the MLX path with `LMSP_CPU_DECODE=0`) is served
+tens of millions of parameters, float32, the MLX path: `LMSP_CPU_DECODE=0` and
+`LMSP_CPU_PREFILL=0`) is served
 twice: as shipped, and with `LMSP_PREFILL_TOGETHER=0` (each prompt prefilled alone, one
 per step, as before). In each round `--prompts` clients send chat prompts of
 `--prompt-words` words at once (about 220 tokens: short prompts, one chunk each; new text
@@ -60,7 +61,7 @@ def main() -> None:
         for mode, switch in MODES.items():
             run_dir = folder / f"{family}-{mode.replace(' ', '-')}"
             run_dir.mkdir()
-            os.environ.update(LMSP_CPU_DECODE="0", LMSP_PREFILL_TOGETHER=switch)  # the server inherits them
+            os.environ.update(LMSP_CPU_DECODE="0", LMSP_CPU_PREFILL="0", LMSP_PREFILL_TOGETHER=switch)  # inherited
             cmd = server_command("lmsp-mlx", "--model", model_dir, "--model-id", "bench",
                                  *own_state(run_dir, kv_disk=False), "--max-batch", args.prompts)
             rounds = []

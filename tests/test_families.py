@@ -26,17 +26,24 @@ from tests.test_engine import wait_for_metric
 from tests.tiny_model import FAMILIES, build_tiny_family_model
 
 
+def on_the_mlx_runner() -> pytest.MonkeyPatch:
+    """The environment a load reads to give llama the MLX runner, as a Mac runs it: neither
+    the compiled CPU decode step nor its compiled prefill (every other family has it anyway)."""
+    patch = pytest.MonkeyPatch()
+    patch.setenv("LMSP_CPU_DECODE", "0")
+    patch.setenv("LMSP_CPU_PREFILL", "0")
+    return patch
+
+
 @pytest.fixture(scope="module", params=FAMILIES)
 def family_lm(request, tmp_path_factory):
-    import os
-
-    before = os.environ.get("LMSP_CPU_DECODE")
-    os.environ["LMSP_CPU_DECODE"] = "0"  # llama as a Mac runs it: through MLX, not the compiled step
+    patch = on_the_mlx_runner()
     try:
-        yield load_model(build_tiny_family_model(tmp_path_factory.mktemp(request.param) / request.param,
-                                                 request.param))
+        lm = load_model(build_tiny_family_model(tmp_path_factory.mktemp(request.param) / request.param, request.param))
     finally:
-        os.environ.pop("LMSP_CPU_DECODE") if before is None else os.environ.__setitem__("LMSP_CPU_DECODE", before)
+        patch.undo()
+    assert lm.runner.kind == "mlx"
+    return lm
 
 
 def params(lm) -> list[GenerationParams]:
@@ -160,15 +167,14 @@ def test_a_multimodal_config_gives_its_text_models_context_and_vocabulary(tmp_pa
 
 
 def serve_family(arch: str, start, tmp_path_factory):
-    import os
-
     path = build_tiny_family_model(tmp_path_factory.mktemp(arch) / arch, arch)
-    before = os.environ.get("LMSP_CPU_DECODE")
-    os.environ["LMSP_CPU_DECODE"] = "0"  # read at load: llama serves through MLX, as on a Mac
+    patch = on_the_mlx_runner()  # the server inherits it and reads it at load
     try:
-        return start("--model", str(path), "--model-id", "m", "--no-kv-disk", "--max-batch", "4")
+        server = start("--model", str(path), "--model-id", "m", "--no-kv-disk", "--max-batch", "4")
     finally:
-        os.environ.pop("LMSP_CPU_DECODE") if before is None else os.environ.__setitem__("LMSP_CPU_DECODE", before)
+        patch.undo()
+    assert "runner for m: MLX" in server.log()
+    return server
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
