@@ -88,7 +88,7 @@ def test_the_batched_step_gives_each_sequence_bitwise_its_own_steps_logits(kind,
     cache, stepped together: every row is what the one-sequence step gives it."""
     model = tiny(kind, **overrides)
     runner = compiled(model)
-    prompts = [[3], list(range(5, 12)), [4] * 255, [9, 8, 7], [11, 12, 13, 14, 15], [200] * 40]  # 6: pairs of rows, 4 + 2
+    prompts = [[3], list(range(5, 12)), [4] * 255, [9, 8, 7], [11, 12, 13, 14, 15], [200] * 40]  # 6: one group of 8
 
     def prefilled(prompt):
         cache = make_prompt_cache(model)

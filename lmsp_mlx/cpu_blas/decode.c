@@ -434,11 +434,15 @@ __attribute__((target("avx2,fma"))) static void pair_batch4(const float *row, co
     }
 }
 
+/* `pairs`: more than 4 sequences go through pair_batch4, 4 at a time. In the small-row
+ * product (its own thread team per call) that ran 1.2-1.5x row_batch8 at 8 rows; inside
+ * the compiled batched step (one team for the whole step) it ran 0.95x, so the step keeps
+ * row_batch8. Four or fewer rows are memory-bound either way. */
 __attribute__((target("avx2,fma"))) static void rows_batch_avx2(const float *w, const float *x, float *y, int64_t r0,
                                                                 int64_t r1, int64_t n, int64_t m, int64_t nb,
-                                                                int add) {
+                                                                int add, int pairs) {
     int64_t r = r0;
-    if (nb > 4) { /* pairs of rows, 4 sequences at a time: 1.2-1.4x row_batch8 at 8 (4 or fewer: memory-bound alike) */
+    if (pairs && nb > 4) {
         for (; r + 2 <= r1; r += 2)
             for (int64_t j = 0; j < nb; j += 4)
                 pair_batch4(w + r * n, x + j * n, y + j * m + r, n, m, nb - j < 4 ? nb - j : 4, add, j == 0);
@@ -455,7 +459,7 @@ __attribute__((target("avx2,fma"))) static void rows_batch_avx2(const float *w, 
 }
 #else
 static void rows_batch_avx2(const float *w, const float *x, float *y, int64_t r0, int64_t r1, int64_t n, int64_t m,
-                            int64_t nb, int add) {
+                            int64_t nb, int add, int pairs) {
     for (int64_t j = 0; j < nb; j++) rows_scalar(w, x + j * n, y + j * m, r0, r1, n, add);
 }
 #endif
@@ -466,7 +470,7 @@ static void gemm_part(const float *w, const float *x, float *y, int64_t m, int64
     int64_t r0, r1;
     if (!thread_rows(m, &r0, &r1)) return;
     if (has_avx2()) {
-        rows_batch_avx2(w, x, y, r0, r1, n, m, nb, add);
+        rows_batch_avx2(w, x, y, r0, r1, n, m, nb, add, 0);
     } else {
         for (int64_t j = 0; j < nb; j++) rows_scalar(w, x + j * n, y + j * m, r0, r1, n, add);
     }
@@ -485,7 +489,7 @@ static void product_rows(const float *w, const float *x, float *y, int64_t r0, i
         else
             rows_scalar(w, x, y, r0, r1, n, 0);
     } else if (has_avx2()) {
-        rows_batch_avx2(w, x, y, r0, r1, n, m, nb, 0);
+        rows_batch_avx2(w, x, y, r0, r1, n, m, nb, 0, 1);
     } else {
         for (int64_t j = 0; j < nb; j++) rows_scalar(w, x + j * n, y + j * m, r0, r1, n, 0);
     }
