@@ -247,7 +247,6 @@ def main() -> None:
         a, b = by[("lmsp-mlx", t)], by[("mlx_lm.server", t)]
         print(f"| {t} | {a['prompt_tokens']} | {a['prefilled_tokens']} | {b['prefilled_tokens']} | "
               f"{a['ttft_s']:.3f} | {b['ttft_s']:.3f} |")
-    late = range(3, args.turns + 1)
     ours = statistics.median(r["ttft_s"] for r in rows if r["server"] == "lmsp-mlx" and r["turn"] >= 3)
     theirs = statistics.median(r["ttft_s"] for r in rows if r["server"] == "mlx_lm.server" and r["turn"] >= 3)
     print(f"\nturns 3-{args.turns}: median TTFT lmsp-mlx {ours:.3f}s, mlx_lm.server {theirs:.3f}s, "
