@@ -47,6 +47,10 @@ from .sequence import Phase, Sequence, sample_rows
 
 log = logging.getLogger("lmsp_mlx.engine")
 
+# LMSP_PREFILL_TOGETHER=0 prefills every prompt alone (benchmarks/prompt_batching.py
+# compares); read once, not on every step.
+PREFILL_TOGETHER = os.environ.get("LMSP_PREFILL_TOGETHER", "1") != "0"
+
 
 def next_prefill(seqs: list[Sequence]) -> Sequence | None:
     """The sequence whose prompt chunk runs this step: the one with the least prompt left
@@ -64,9 +68,8 @@ def prefill_group(seqs: list[Sequence], chunk: int, lm: LoadedModel) -> list[Seq
     compiled CPU runner: its batched step takes short suffixes as rows, and its compiled
     prefill, one prompt at a time, beat MLX's batched forward (a llama at 4 streams with
     the compiled decode off: 0.84-0.93x mlx_lm.server batched, 1.04-1.07x alone).
-    Quantized caches are left out: their batch form has no right padding (`prepare`).
-    `LMSP_PREFILL_TOGETHER=0` turns it off (benchmarks/prompt_batching.py compares)."""
-    if lm.runner.kind != "mlx" or os.environ.get("LMSP_PREFILL_TOGETHER", "1") == "0":
+    Quantized caches are left out: their batch form has no right padding (`prepare`)."""
+    if lm.runner.kind != "mlx" or not PREFILL_TOGETHER:
         return []
     short = [s for s in seqs if s.phase is Phase.PREFILL and s.together and s.params.max_tokens > 0
              and 1 <= len(s.params.prompt) - 1 - s.cursor <= chunk]

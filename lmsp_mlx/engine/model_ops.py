@@ -24,7 +24,6 @@ model's own tree, not by name.
 from __future__ import annotations
 
 import importlib.util
-import logging
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -40,8 +39,6 @@ from mlx_lm.utils import _get_classes, load_adapters, load_model
 from .. import kernels
 from ..cache.batch import BatchQuantizedKVCache
 from . import cpu_math
-
-log = logging.getLogger("lmsp_mlx.engine")
 
 
 @dataclass
