@@ -86,6 +86,56 @@ def expert_swiglu(x: mx.array, indices: mx.array, gate: QuantizedExperts, up: Qu
     return mx.array(y).reshape(*lead, k, d)
 
 
+# The most pairs one expert takes in lmsp_grouped_gemm, whose product reads a weight row
+# once for all of them but runs at some 17 GFLOP/s here; past it (a prompt chunk) each
+# expert's pairs are one OpenBLAS sgemm instead (the shim's small-row cut, for the same reason).
+GROUPED_ROWS = 24
+
+
+def _expert_gemms(x: np.ndarray, idx: np.ndarray, w: np.ndarray, b: np.ndarray | None, per: int) -> np.ndarray:
+    """expert_product for a prompt chunk: each expert's pairs gathered, one sgemm each."""
+    order = np.argsort(idx, kind="stable")
+    bounds = np.searchsorted(idx[order], np.arange(w.shape[0] + 1))
+    y = np.empty((idx.size, w.shape[1]), np.float32)
+    for e in np.flatnonzero(np.diff(bounds)):
+        pairs = order[bounds[e]:bounds[e + 1]]
+        y[pairs] = x[pairs // per] @ w[e].T
+        if b is not None:
+            y[pairs] += b[e]
+    cpu_blas.blas_ran()  # numpy's matmuls run on the shim's OpenBLAS: its workers now spin
+    return y
+
+
+def product_takes(x: mx.array, indices: mx.array, weight: mx.array, bias: mx.array | None, per: int) -> bool:
+    return (available() and x.ndim == 2 and weight.ndim == 3 and x.shape[-1] == weight.shape[-1]
+            and x.dtype == weight.dtype == mx.float32 and (bias is None or bias.dtype == mx.float32)
+            and indices.ndim == 1 and indices.size == x.shape[0] * per)
+
+
+def expert_product(x: mx.array, indices: mx.array, weight: mx.array, bias: mx.array | None, per: int) -> mx.array:
+    """reference.expert_product's result, computed by decode.c's lmsp_grouped_gemm, which
+    reads each chosen expert's weight once for all the pairs that chose it (call
+    `product_takes` first)."""
+    experts, m, d = weight.shape
+    pairs = indices.size
+    xs = _contiguous(x)
+    idx = _contiguous(indices.astype(mx.uint32))
+    w = _contiguous(weight)
+    b = None if bias is None else _contiguous(bias)
+    if pairs > GROUPED_ROWS and int(np.bincount(idx, minlength=experts).max()) > GROUPED_ROWS:
+        return mx.array(_expert_gemms(xs, idx, w, b, per))
+    y = np.empty((pairs, m), np.float32)
+    gathered, results = np.empty((pairs, d), np.float32), np.empty((pairs, m), np.float32)
+    order = np.empty(pairs + 2 * (experts + 1), np.int64)
+    done = cpu_blas.decode_kernel().lmsp_grouped_gemm(
+        w.ctypes.data, None if b is None else b.ctypes.data, xs.ctypes.data, idx.ctypes.data, y.ctypes.data, pairs,
+        per, experts, m, d, gathered.ctypes.data, results.ctypes.data, order.ctypes.data,
+        not _parallel(pairs * m * d))
+    if done != 0:
+        raise ValueError(f"an expert index of {indices.shape} lies outside the layer's {experts} experts")
+    return mx.array(y)
+
+
 def attention_takes(queries: mx.array, keys, values, group_size: int, bits: int) -> bool:
     b, hq, length, d = queries.shape
     hkv, n = keys[0].shape[1], keys[0].shape[2]

@@ -140,3 +140,16 @@ def _takes(x, indices, gate, up, down) -> bool:
 expert_swiglu = Dispatch("expert_swiglu", _kernel, reference.expert_swiglu, _config,
                          lambda got, want: close(got, want, 2e-2 if got.dtype != mx.float32 else 5e-3),
                          available=lambda: backend() is not None or cpu.available(), fits=_takes)
+
+
+def _product_config(x, indices, weight, bias, per) -> tuple:
+    # one pair, a few, or more than four: the C product's three inner loops (decode.c)
+    pairs = indices.size
+    return (x.shape[-1], weight.shape[0], weight.shape[1], per, bias is not None, 1 if pairs == 1 else min(pairs, 5))
+
+
+# The float experts' grouped product exists on the CPU build only (kernels/cpu.py): under
+# Metal and CUDA MLX's gather_mm has sorted, grouped kernels of its own.
+expert_product = Dispatch("expert_product", cpu.expert_product, reference.expert_product, _product_config,
+                          lambda got, want: close(got, want, 1e-4),
+                          available=lambda: backend() is None and cpu.available(), fits=cpu.product_takes)

@@ -24,12 +24,12 @@ from typing import Callable
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwiGLU, SwitchGLU
+from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwiGLU, SwitchGLU, SwitchLinear
 
-from . import cpu
+from . import cpu, reference
 from .attention import decode_attention
 from .dispatch import backend, mode
-from .experts import expert_swiglu
+from .experts import expert_product, expert_swiglu
 from .quantized import QuantizedExperts
 
 # Tokens a call may hold to go through the expert kernel (a batched decode step); larger
@@ -41,17 +41,19 @@ from .quantized import QuantizedExperts
 MAX_TOKENS = {"gpu": 32, "cpu": 64}
 
 
+def _holding(cls: type[SwitchGLU], layer: SwitchGLU) -> SwitchGLU:
+    """A `cls` holding `layer`'s projections and activation (no copy of a weight)."""
+    new = cls.__new__(cls)
+    nn.Module.__init__(new)
+    new.gate_proj, new.up_proj, new.down_proj = layer.gate_proj, layer.up_proj, layer.down_proj
+    new.activation = layer.activation
+    return new
+
+
 class KernelSwitchGLU(SwitchGLU):
     """mlx-lm's SwitchGLU, with decode and small batches on the expert kernel."""
 
-    @classmethod
-    def of(cls, layer: SwitchGLU) -> "KernelSwitchGLU":
-        """A KernelSwitchGLU holding `layer`'s projections and activation (no copy of a weight)."""
-        new = cls.__new__(cls)
-        nn.Module.__init__(new)
-        new.gate_proj, new.up_proj, new.down_proj = layer.gate_proj, layer.up_proj, layer.down_proj
-        new.activation = layer.activation
-        return new
+    of = classmethod(_holding)
 
     def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
         if indices.size // indices.shape[-1] > MAX_TOKENS["gpu" if backend() else "cpu"]:
@@ -59,6 +61,31 @@ class KernelSwitchGLU(SwitchGLU):
         projections = (self.gate_proj, self.up_proj, self.down_proj)
         return expert_swiglu(x, mx.stop_gradient(indices), *(QuantizedExperts.of(p) for p in projections),
                              builtin=lambda: super(KernelSwitchGLU, self).__call__(x, indices))
+
+
+class GroupedSwitchGLU(SwitchGLU):
+    """mlx-lm's SwitchGLU over float experts, with decode and small batches grouped by
+    expert on the CPU build (expert_product): each projection reads a chosen expert's
+    weight once for all the tokens that chose it, a prompt chunk's as one sgemm per expert.
+    The activation is the layer's own (SwiGLU, gpt-oss's clamped one, ...)."""
+
+    of = classmethod(_holding)
+
+    def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
+        *lead, d = x.shape
+        k = indices.shape[-1]
+        tokens = indices.size // k
+        if tokens == 1:  # one token's K experts are K different ones: nothing to group
+            return super().__call__(x, indices)
+        flat, rows = mx.stop_gradient(indices).reshape(-1), x.reshape(tokens, d)
+
+        def project(p: SwitchLinear, h: mx.array, per: int) -> mx.array:
+            bias = p["bias"] if "bias" in p else None
+            return expert_product(h, flat, p["weight"], bias, per,
+                                  builtin=lambda: reference.expert_product(h, flat, p["weight"], bias, per))
+
+        up, gate = project(self.up_proj, rows, k), project(self.gate_proj, rows, k)
+        return project(self.down_proj, self.activation(up, gate), 1).reshape(*lead, k, d)
 
 
 def _eligible(layer: object) -> bool:
@@ -80,6 +107,25 @@ def expert_layers(model: nn.Module) -> int:
     found = [(parent, key) for parent in model.modules() for key, child in parent.items() if _eligible(child)]
     for parent, key in found:
         parent[key] = KernelSwitchGLU.of(parent[key])
+    return len(found)
+
+
+def _float_experts(layer: object) -> bool:
+    if type(layer) is not SwitchGLU:
+        return False
+    return all(type(p) is SwitchLinear and p.weight.dtype == mx.float32
+               for p in (layer.gate_proj, layer.up_proj, layer.down_proj))
+
+
+def float_expert_layers(model: nn.Module) -> int:
+    """On the CPU build, replace each SwitchGLU over float32 experts in `model`'s tree by a
+    GroupedSwitchGLU over the same projections; returns how many. Under LMSP_KERNELS=off,
+    or where expert_product has no kernel (Metal, CUDA), none."""
+    if mode() == "off" or not expert_product.available():
+        return 0
+    found = [(parent, key) for parent in model.modules() for key, child in parent.items() if _float_experts(child)]
+    for parent, key in found:
+        parent[key] = GroupedSwitchGLU.of(parent[key])
     return len(found)
 
 

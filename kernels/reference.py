@@ -36,6 +36,18 @@ def expert_swiglu(x: mx.array, indices: mx.array, gate: QuantizedExperts, up: Qu
     return y.astype(x.dtype)
 
 
+def expert_product(x: mx.array, indices: mx.array, weight: mx.array, bias: mx.array | None, per: int) -> mx.array:
+    """One projection of a float MoE layer, as mlx-lm's SwitchLinear computes it: each
+    token-expert pair's row of x times its expert's weight, plus its bias.
+
+    x: (P / per, D), a row for every `per` pairs (per = K for an expert MLP's first
+    projections, 1 for its last); indices: (P,) expert ids; weight: (E, M, D); bias:
+    (E, M) or None. Returns (P, M)."""
+    rows = x[mx.arange(indices.size) // per][:, None, :]  # (P, 1, D)
+    y = mx.gather_mm(rows, weight.swapaxes(-1, -2), rhs_indices=indices)[:, 0]
+    return y if bias is None else y + bias[indices]
+
+
 def decode_attention(queries: mx.array, keys: tuple[mx.array, mx.array, mx.array],
                      values: tuple[mx.array, mx.array, mx.array], scale: float, group_size: int,
                      bits: int, first: mx.array | None = None) -> mx.array:

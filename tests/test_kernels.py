@@ -341,6 +341,69 @@ def test_the_cpu_expert_kernel_refuses_what_it_cannot_read():
     assert not cpu_kernel.expert_takes(x.astype(mx.float16), mx.array([[1, 2]], mx.uint32), gate, up, down)
 
 
+def float_switch_glu(d: int, h: int, experts: int, activation=None) -> SwitchGLU:
+    """mlx-lm's SwitchGLU over float32 experts with biases (gpt-oss's layout), all random."""
+    layer = SwitchGLU(d, h, experts, bias=True, **({"activation": activation} if activation else {}))
+    for p in (layer.gate_proj, layer.up_proj, layer.down_proj):
+        p.bias = mx.random.normal(p.bias.shape) * 0.1
+    mx.eval(layer.parameters())
+    return layer
+
+
+@needs_cpu_kernel
+@pytest.mark.parametrize("tokens, k, per", [(2, 2, 2), (8, 2, 1), (5, 4, 4), (80, 2, 2), (80, 2, 1)])
+@pytest.mark.parametrize("bias", [True, False])
+def test_the_grouped_expert_product_matches_the_reference(tokens, k, per, bias):
+    """Every pair's row times its expert's weight, the pairs of one expert taken together:
+    a few pairs each (decode.c's grouped product) and, at 80 tokens, more than
+    GROUPED_ROWS of one expert (one sgemm per expert); unused experts; a row per token (the
+    first projections, per = k) or per pair (the last)."""
+    experts, d, m = 6, 96, 80
+    weight = mx.random.normal((experts, m, d))
+    b = mx.random.normal((experts, m)) if bias else None
+    indices = mx.concatenate([mx.random.permutation(experts - 1)[:k] for _ in range(tokens)]).astype(mx.uint32)
+    x = mx.random.normal((tokens * k // per, d))
+    assert (np.bincount(np.array(indices)).max() > cpu_kernel.GROUPED_ROWS) == (tokens == 80)
+    assert cpu_kernel.product_takes(x, indices, weight, b, per)
+    got = cpu_kernel.expert_product(x, indices, weight, b, per)
+    assert got.shape == (tokens * k, m) and got.dtype == mx.float32
+    assert rel_err(got, reference.expert_product(x, indices, weight, b, per)) < 1e-5
+    rows = np.repeat(f64(x), per, axis=0) if per > 1 else f64(x)
+    want = np.einsum("pmd,pd->pm", f64(weight)[np.array(indices)], rows) + (f64(b)[np.array(indices)] if bias else 0)
+    assert rel_err(got, want) < 1e-5
+
+
+@needs_cpu_kernel
+def test_the_grouped_expert_product_refuses_what_it_cannot_read():
+    weight, x = mx.random.normal((4, 32, 64)), mx.random.normal((2, 64))
+    with pytest.raises(ValueError, match="outside the layer's 4 experts"):  # no read out of bounds
+        cpu_kernel.expert_product(x, mx.array([0, 4], mx.uint32), weight, None, 1)
+    assert not cpu_kernel.product_takes(x.astype(mx.float16), mx.array([0, 1], mx.uint32), weight, None, 1)
+    assert not cpu_kernel.product_takes(x, mx.array([0, 1, 2], mx.uint32), weight, None, 1)  # 3 pairs, 2 rows
+
+
+@needs_cpu_kernel
+@pytest.mark.parametrize("tokens", [1, 3, 8, 70])
+def test_a_float_moe_layer_groups_its_experts_and_computes_what_mlx_lm_does(tokens, monkeypatch):
+    """gpt-oss's MoE layer (float32 experts with biases, its clamped SwiGLU) as the loader
+    swaps it on the CPU build: the same result as mlx-lm's SwitchGLU, one token on mlx-lm's
+    own path, more through the grouped product (decode.c's, or at 70 tokens one sgemm per
+    expert)."""
+    from mlx_lm.models.gpt_oss import SwigluOAI
+
+    monkeypatch.setenv("LMSP_KERNELS", "auto")
+    stock = float_switch_glu(64, 96, 4, SwigluOAI())
+    layer = kernels.GroupedSwitchGLU.of(stock)
+    assert layer.up_proj is stock.up_proj and layer.activation is stock.activation
+    x = mx.random.normal((1, tokens, 64))
+    indices = mx.stack([mx.random.permutation(4)[:2] for _ in range(tokens)])[None].astype(mx.uint32)
+    before = kernels.expert_product.calls["kernel"]
+    got = layer(x, indices)
+    assert got.shape == (1, tokens, 2, 64)
+    assert rel_err(got, stock(x, indices)) < 1e-5
+    assert kernels.expert_product.calls["kernel"] == before + (0 if tokens == 1 else 3)
+
+
 @pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16])
 def test_references_take_a_half_model_and_answer_in_its_dtype(dtype):
     """A float16 / bfloat16 model's inputs (half activations, half scales and biases): the

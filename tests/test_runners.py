@@ -84,3 +84,26 @@ def test_the_expert_kernel_replaces_moe_layers_in_the_tree_not_their_class(monke
     assert switch_layers.SwitchGLU.__call__ is not kernels.KernelSwitchGLU.__call__
     got = model(tokens)
     assert mx.abs(got - want).max().item() < 1e-3
+
+
+@pytest.mark.skipif(cpu_blas.decode_kernel() is None, reason="the compiled CPU kernels are not built")
+def test_float_moe_layers_are_grouped_by_expert_on_the_cpu_build_and_say_so(tmp_path, monkeypatch, caplog):
+    """A float32 MoE model (gpt-oss) on the CPU build: each SwitchGLU becomes a
+    GroupedSwitchGLU over the same projections, in the tree (mlx-lm's class untouched), and
+    the load log names it; under LMSP_KERNELS=off the model keeps mlx-lm's layers."""
+    monkeypatch.setenv("LMSP_KERNELS", "auto")
+    build_tiny_family_model(tmp_path / "gpt_oss", "gpt_oss")
+    with caplog.at_level("INFO", logger="lmsp_mlx"):
+        lm = load_model(tmp_path / "gpt_oss")
+    layers = lm.model.model.layers
+    assert all(type(layer.mlp.experts) is kernels.GroupedSwitchGLU for layer in layers)
+    assert switch_layers.SwitchGLU.__call__ is not kernels.GroupedSwitchGLU.__call__
+    assert any("expert_product (float experts grouped by expert, 4 MoE layers)" in r.getMessage()
+               for r in caplog.records)
+    monkeypatch.setenv("LMSP_KERNELS", "off")
+    plain = load_model(tmp_path / "gpt_oss")
+    assert all(type(layer.mlp.experts) is switch_layers.SwitchGLU for layer in plain.model.model.layers)
+    cache, plain_cache = make_prompt_cache(lm.model), make_prompt_cache(plain.model)
+    tokens = [3, 9, 4, 12, 7, 5, 8]  # 7 tokens: the grouped product, not mlx-lm's one-token path
+    got, want = lm.runner.last_logits(tokens, cache), plain.runner.last_logits(tokens, plain_cache)
+    assert mx.abs(got - want).max().item() < 1e-4 * max(mx.abs(want).max().item(), 1.0)

@@ -138,6 +138,8 @@ def declare_decode(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.lmsp_expert_swiglu.argtypes = ([ctypes.c_void_p] * 2 + [ctypes.c_int64] * 3 + [ctypes.c_void_p] * 9
                                        + [ctypes.c_int64] * 2 + [ctypes.c_int] * 3 + [ctypes.c_void_p] * 3)
     lib.lmsp_expert_swiglu.restype = ctypes.c_int
+    lib.lmsp_grouped_gemm.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 5 + [ctypes.c_void_p] * 3 + [ctypes.c_int]
+    lib.lmsp_grouped_gemm.restype = ctypes.c_int
     lib.lmsp_decode_attention.argtypes = ([ctypes.c_void_p] + [ctypes.c_int64] * 5 + [ctypes.c_void_p] * 8
                                           + [ctypes.c_int] * 2 + [ctypes.c_float, ctypes.c_int, ctypes.c_void_p])
     lib.lmsp_decode_attention.restype = ctypes.c_int

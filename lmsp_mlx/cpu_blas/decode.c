@@ -513,6 +513,54 @@ void lmsp_small_gemm(const float *w, const float *x, float *y, int64_t m, int64_
     }
 }
 
+/* One projection of a float MoE layer, its token-expert pairs grouped by expert:
+ * Y[p] = X[p / per] W[idx[p]]^T (+ bias[idx[p]]) for p < pairs, row-major W (experts, m, n),
+ * bias (experts, m) or NULL, X (pairs / per, n), Y (pairs, m). per is k for an expert MLP's
+ * first projections (a token's row serves its k pairs) and 1 for its last (a row per pair).
+ *
+ * Why: MLX's CPU gather_mm multiplies pair by pair, so an expert's weight is read once per
+ * pair that chose it; a batch of 8 tokens' 16 pairs over 4 experts read them 16 times.
+ * Here the pairs of one expert are gathered into consecutive rows of `xs` and go through
+ * product_rows together, which reads each weight row once for all of them; their results
+ * land in `ys` and are scattered to Y. Scratch: xs (pairs, n), ys (pairs, m), `order`
+ * pairs + 2 * (experts + 1) int64. Returns 0, or -1 for an index out of range (nothing
+ * written). `serial`: on the calling thread only. */
+int lmsp_grouped_gemm(const float *w, const float *bias, const float *x, const uint32_t *idx, float *y, int64_t pairs,
+                      int64_t per, int64_t experts, int64_t m, int64_t n, float *xs, float *ys, int64_t *order,
+                      int serial) {
+    int64_t *start = order + pairs, *next = start + experts + 1; /* start[e]: expert e's first sorted row */
+    for (int64_t e = 0; e <= experts; e++) start[e] = 0;
+    for (int64_t p = 0; p < pairs; p++) {
+        if (idx[p] >= (uint32_t)experts) return -1;
+        start[idx[p] + 1]++;
+    }
+    for (int64_t e = 0; e < experts; e++) start[e + 1] += start[e];
+    for (int64_t e = 0; e < experts; e++) next[e] = start[e];
+    for (int64_t p = 0; p < pairs; p++) order[next[idx[p]]++] = p; /* stable: a token's pairs keep their order */
+    for (int64_t s = 0; s < pairs; s++) memcpy(xs + s * n, x + order[s] / per * n, (size_t)n * sizeof(float));
+    if (serial || pairs * m * n < SERIAL_FLOATS) {
+        for (int64_t e = 0; e < experts; e++)
+            if (start[e + 1] > start[e])
+                product_rows(w + e * m * n, xs + start[e] * n, ys + start[e] * m, 0, m, m, n, start[e + 1] - start[e]);
+    } else {
+#pragma omp parallel
+        {
+            int64_t r0, r1;
+            if (thread_rows(m, &r0, &r1)) /* this thread's rows of every expert: one team for the call */
+                for (int64_t e = 0; e < experts; e++)
+                    if (start[e + 1] > start[e])
+                        product_rows(w + e * m * n, xs + start[e] * n, ys + start[e] * m, r0, r1, m, n,
+                                     start[e + 1] - start[e]);
+        }
+    }
+    for (int64_t s = 0; s < pairs; s++) {
+        const int64_t p = order[s];
+        const float *b = bias ? bias + (int64_t)idx[p] * m : NULL;
+        for (int64_t j = 0; j < m; j++) y[p * m + j] = ys[s * m + j] + (b ? b[j] : 0.0f);
+    }
+    return 0;
+}
+
 /* Floats of scratch lmsp_decode_batch needs for `nb` sequences at positions `pos`. */
 int64_t lmsp_decode_batch_scratch(const lmsp_model *m, int32_t nb, const int32_t *pos) {
     int64_t positions = 0;

@@ -278,8 +278,9 @@ def load_model(path: Path, *, model_id: str | None = None, ctx: int | None = Non
             log.info("CPU fast math for %s: %s", name, ", ".join(built.ops + (["rope"] if ropes else [])))
     else:
         quantization = stored
-    experts_on_kernel = kernels.expert_layers(model)
+    experts_on_kernel, grouped = kernels.expert_layers(model), kernels.float_expert_layers(model)
     swapped = ([f"expert_swiglu ({experts_on_kernel} MoE layers)"] if experts_on_kernel else []) \
+        + ([f"expert_product (float experts grouped by expert, {grouped} MoE layers)"] if grouped else []) \
         + (["decode_attention (--kv-bits caches)"]
            if kernels.mode() != "off" and "scaled_dot_product_attention" in built.ops else [])
     if swapped:
