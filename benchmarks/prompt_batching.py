@@ -26,10 +26,9 @@ from pathlib import Path
 from lmsp_mlx.cpu_blas import accelerate
 
 accelerate()  # first: MLX binds its BLAS as mlx.core loads (lmsp_mlx/cpu_blas/__init__.py)
-from benchmarks.architectures import SIZES  # noqa: E402
+from benchmarks.architectures import build_benchmark_model  # noqa: E402
 from benchmarks.common import Provenance, output_arguments, own_state, server_command, serving, write_rows  # noqa: E402
 from benchmarks.concurrency import measure  # noqa: E402
-from tests.tiny_model import build_tiny_family_model  # noqa: E402
 
 WORDS = "the river town kept its records in a stone house by the bridge and every spring".split()
 MODES = {"together": "1", "one by one": "0"}
@@ -57,7 +56,7 @@ def main() -> None:
     folder = Path(tempfile.mkdtemp(prefix="prompt-batching-"))
     rows: list[dict] = []
     for family in args.families.split(","):
-        model_dir = build_tiny_family_model(folder / family, family, **SIZES)
+        model_dir = build_benchmark_model(folder / family, family)
         for mode, switch in MODES.items():
             run_dir = folder / f"{family}-{mode.replace(' ', '-')}"
             run_dir.mkdir()
