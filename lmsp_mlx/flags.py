@@ -109,6 +109,12 @@ def _engine_flags(p: argparse._ArgumentGroup) -> None:
                    help="output limit of a request that sets none (default: the rest of the context)")
     p.add_argument("--prefill-chunk", type=int,
                    help="prefill chunk in tokens; cancellation is checked between chunks (default 256 on CPU, 2048 on GPU)")
+    p.add_argument("--speculate", choices=("off", "ngram"), default="off",
+                   help="speculative decoding: ngram drafts each sequence's next tokens from its own prompt and "
+                        "reply (prompt lookup), and one step verifies them; the tokens are those decoding without it "
+                        "gives (default off)")
+    p.add_argument("--num-draft-tokens", type=int, default=4,
+                   help="the most tokens a sequence drafts per step; the number in use adapts below it (default 4)")
 
 
 def _store_flags(p: argparse._ArgumentGroup) -> None:
@@ -140,8 +146,8 @@ def _cache_flags(p: argparse._ArgumentGroup) -> None:
 
 # -- checks across flags ---------------------------------------------------------------------
 
-_POSITIVE = ("ctx", "max_batch", "max_queue", "max_output_tokens", "prefill_chunk", "max_body_mb", "sse_keepalive",
-             "memory_budget_mb", "kv_memory_mb", "kv_disk_space_mb", "kv_checkpoint_min_tokens", "kv_checkpoint_every")
+_POSITIVE = ("ctx", "max_batch", "max_queue", "max_output_tokens", "prefill_chunk", "num_draft_tokens", "max_body_mb",
+             "sse_keepalive", "memory_budget_mb", "kv_memory_mb", "kv_disk_space_mb", "kv_checkpoint_min_tokens", "kv_checkpoint_every")
 _FINITE = ("sse_keepalive", "max_body_mb", "memory_budget_mb", "kv_memory_mb", "kv_disk_space_mb")
 
 
@@ -186,7 +192,7 @@ def _engine(args: argparse.Namespace) -> EngineSettings:
         memory_budget_bytes=None if args.memory_budget_mb is None else int(args.memory_budget_mb * MiB),
         max_loaded_models=args.max_loaded_models, keep_alive=args.keep_alive, pin=args.pin, ctx=args.ctx,
         max_batch=args.max_batch, max_queue=args.max_queue, max_output_tokens=args.max_output_tokens,
-        prefill_chunk=args.prefill_chunk)
+        prefill_chunk=args.prefill_chunk, speculate=args.speculate, num_draft_tokens=args.num_draft_tokens)
 
 
 def _cache(args: argparse.Namespace) -> CacheSettings:

@@ -44,6 +44,7 @@ from .events import Finished, GenerationEvent
 from .generate import GenerationParams
 from .loader import LoadedModel
 from .sequence import Phase, Sequence, sample_rows
+from .speculate import Drafting, rewind, rollback_plan, snapshot
 
 log = logging.getLogger("lmsp_mlx.engine")
 
@@ -141,13 +142,17 @@ class Batch:
             s.prefilled_but_last()
 
     def step(self, seqs: list[Sequence]) -> dict[Sequence, Exception]:
-        """One token for each of `seqs`; returns the sequences that failed, with why."""
+        """One token for each of `seqs`, more for a sequence whose draft the step verifies;
+        returns the sequences that failed, with why."""
         failed: dict[Sequence, Exception] = {}
         batch_step = self.lm.runner.batch
-        compiled, merged, alone = _plan(seqs, batch_step)
+        drafts = self._drafts(seqs, batch_step)
+        compiled, merged, alone = _plan(seqs, batch_step, drafts)
         for s in compiled:  # a merged member's newest K/V are in the merged cache: hand them back first
             self._merged.release(s)
-        runs = ((compiled, lambda group: batch_step([s.pending for s in group], [s.cache for s in group])),
+        runs = ((compiled, lambda group: batch_step([s.pending + drafts.get(s, []) for s in group],
+                                                    [s.cache for s in group],
+                                                    every=[s in drafts for s in group])),
                 (merged, lambda group: self._merged.step(self.lm, group)))
         for group, run in runs:
             logits = None
@@ -158,26 +163,94 @@ class Batch:
                     log.exception("the batched step failed; its %d sequences step one by one", len(group))
                     self._merged.release_all()
             if logits is None:
+                for s in group:  # one by one they verify no draft: their own pass, as without speculation
+                    drafts.pop(s, None)
                 alone += group
                 continue
-            for s, token in zip(group, sample_rows(group, logits)):
-                _take_token(s, token, failed)
+            self._settle(group, logits, drafts, failed)
         for s in alone:
             self._merged.release(s)
-            try:
-                logits = self.lm.runner.forward(mx.array([s.pending]), s.cache)[:, -1, :]
-            except Exception as exc:
-                failed[s] = exc
-                continue
-            _take(s, logits, failed)
+            self._step_alone(s, drafts.get(s, []), failed)
         return failed
 
+    def _drafts(self, seqs: list[Sequence], batch_step) -> dict[Sequence, list[int]]:
+        """This step's drafts, by sequence. A draft rides where verifying it costs rows, not
+        a pass: in the compiled batched step, each sequence with its own number of rows; on
+        the MLX runner, for a sequence that decodes alone (in a merged batch every row would
+        have to carry the longest draft). A cache with a layer that can give refused rows
+        back neither way (`rollback_plan`) drafts nothing."""
+        drafts: dict[Sequence, list[int]] = {}
+        for s in seqs:
+            if s.drafting is None or len(s.pending) != 1:
+                continue
+            if not (batch_step is not None and batch_step.takes(s.cache) or len(seqs) == 1):
+                continue
+            if (draft := s.draft()) and rollback_plan(s.cache, 1 + len(draft)) is not None:
+                drafts[s] = draft
+        return drafts
 
-def _plan(seqs: list[Sequence], batch_step) -> tuple[list[Sequence], list[Sequence], list[Sequence]]:
+    def _settle(self, group: list[Sequence], logits: mx.array, drafts: dict[Sequence, list[int]],
+                failed: dict[Sequence, Exception]) -> None:
+        """Hand each sequence of a batched step its rows of `logits`: one row each, or one
+        more per drafted token for a sequence that drafted (`every` in the compiled step)."""
+        plain, rows, at = [], [], 0
+        for s in group:
+            draft = drafts.get(s, [])
+            if draft:
+                self._verify(s, s.pending + draft, logits[at : at + 1 + len(draft)], failed, saved=None)
+            else:
+                plain.append(s)
+                rows.append(at)
+            at += 1 + len(draft)
+        if plain:
+            picked = logits if len(rows) == logits.shape[0] else logits[mx.array(rows)]
+            for s, token in zip(plain, sample_rows(plain, picked)):
+                _take_token(s, token, failed)
+
+    def _step_alone(self, s: Sequence, draft: list[int], failed: dict[Sequence, Exception]) -> None:
+        """`s` through the model's own pass on its own cache, its draft's rows included."""
+        fed = s.pending + draft
+        saved = snapshot(s.cache) if draft and rollback_plan(s.cache, len(fed)) == "rerun" else None
+        try:
+            logits = self.lm.runner.forward(mx.array([fed]), s.cache)
+        except Exception as exc:
+            failed[s] = exc
+            return
+        if draft:
+            self._verify(s, fed, logits[0], failed, saved)
+        else:
+            _take(s, logits[:, -1, :], failed)
+
+    def _verify(self, s: Sequence, fed: list[int], logits: mx.array, failed: dict[Sequence, Exception],
+                saved: list | None) -> None:
+        """Take the tokens of a drafted run (`Sequence.take_drafted`), then give back the
+        cache rows of refused draft tokens: trimmed, or, where recurrent layers hold state
+        (`saved`: their state before the step), every fed row dropped, that state put back
+        and the accepted tokens run again."""
+        try:
+            kept = s.take_drafted(logits, fed[1:])
+        except Exception as exc:  # a grammar, a detokenizer, a client's callback: this sequence's alone
+            failed[s] = exc
+            return
+        if kept == len(fed):
+            return
+        try:
+            if saved is None:
+                rewind(s.cache, len(fed) - kept, None)
+                return
+            rewind(s.cache, len(fed), saved)
+            self.lm.runner.prefill(mx.array([fed[:kept]]), s.cache)
+        except Exception as exc:
+            failed[s] = exc
+
+
+def _plan(seqs: list[Sequence], batch_step,
+          drafts: dict[Sequence, list[int]]) -> tuple[list[Sequence], list[Sequence], list[Sequence]]:
     """Which sequences step in the compiled batched step, which merged through MLX, which
     alone. A batch of one row is the model's own pass; merging takes one cache kind at a
-    time (the commonest), one token a sequence."""
-    if sum(len(s.pending) for s in seqs) == 1:
+    time (the commonest), one token a sequence. A draft's rows ride in the compiled step
+    where the sequence's cache is one it takes (`Batch._drafts`)."""
+    if sum(len(s.pending) + len(drafts.get(s, ())) for s in seqs) == 1:
         return [], [], list(seqs)
     compiled = _commonest(seqs, lambda s: batch_step.kind(s.cache)) if batch_step is not None else []
     rest = [s for s in seqs if not any(s is c for c in compiled)]
@@ -190,7 +263,8 @@ def _plan(seqs: list[Sequence], batch_step) -> tuple[list[Sequence], list[Sequen
         if s.alone is None and len(seqs) > 1:
             s.alone = _why_alone(s, kinds[id(s)], batch_step)
             log.info("a sequence steps outside the batch: %s", s.alone)
-    if len(compiled) == 1 and len(compiled[0].pending) == 1 and not merged:  # one row: the model's own pass
+    if len(compiled) == 1 and len(compiled[0].pending) == 1 and compiled[0] not in drafts and not merged:
+        # one row: the model's own pass
         return [], [], compiled + alone
     return compiled, merged, alone
 
@@ -365,12 +439,13 @@ def _take_token(s: Sequence, token: int | Exception, failed: dict[Sequence, Exce
 
 def generate(lm: LoadedModel, params: GenerationParams, emit: Callable[[GenerationEvent], None],
              cancelled: Callable[[], bool] = lambda: False, cache: list | None = None,
-             sampled: list[int] | None = None, whole: Callable[[], bool] = lambda: False) -> Finished:
+             sampled: list[int] | None = None, whole: Callable[[], bool] = lambda: False,
+             drafting: Drafting | None = None) -> Finished:
     """One reply on its own, through the same steps the worker's batch takes: prefill
     `params.prompt` after its cached part into `cache` (a new one if None), then decode.
     Benchmarks, tests and tools use it; the server's requests go through the worker."""
     seq = Sequence(lm, params, make_prompt_cache(lm.model) if cache is None else cache, emit, whole=whole,
-                   sampled=[] if sampled is None else sampled)
+                   sampled=[] if sampled is None else sampled, drafting=drafting)
     batch = Batch(lm)
     while seq.phase is not Phase.DONE:
         if cancelled():

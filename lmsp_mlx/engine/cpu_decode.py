@@ -247,11 +247,12 @@ class BatchStep:
     def takes(self, cache: list) -> bool:
         return self.kind(cache) is not None
 
-    def __call__(self, feeds: list[list[int]], caches: list[list]) -> mx.array | None:
-        """Logits (len(feeds), vocab): for each sequence, after its tokens `feeds[i]` are fed
-        to `caches[i]` (one for a decode step, several for a short prompt chunk, which
-        attends causally as a prefill), its K/V written and offsets advanced; None (nothing
-        written) where a cache is not of the one kind `kind` takes."""
+    def __call__(self, feeds: list[list[int]], caches: list[list], every: list[bool] | None = None) -> mx.array | None:
+        """Logits for each sequence after its tokens `feeds[i]` are fed to `caches[i]` (one
+        for a decode step, several for a short prompt chunk or a speculative draft, which
+        attend causally as a prefill), its K/V written and offsets advanced: the last row's,
+        or with `every[i]` one row after each of its tokens (a draft's verification), in
+        feed order; None (nothing written) where a cache is not of the one kind `kind` takes."""
         spec = self.compiled.spec
         layers, count = spec.n_layers, sum(len(f) for f in feeds)
         kinds = {self.kind(c) for c in caches}
@@ -262,7 +263,9 @@ class BatchStep:
         pos, cap = np.empty(count, np.int32), np.empty(count, np.int32)
         cos, sin = np.empty((count, half), np.float32), np.empty((count, half), np.float32)
         rows = (_Cache * (count * layers))()
-        out_rows = np.empty(len(feeds), np.int32)
+        every = every or [False] * len(feeds)
+        out_rows = np.empty(sum(len(f) if all_rows else 1 for f, all_rows in zip(feeds, every)), np.int32)
+        out = 0
         views = []  # the buffers' numpy views stay alive through the call
         row = 0
         for s, (feed, cache) in enumerate(zip(feeds, caches)):
@@ -278,16 +281,18 @@ class BatchStep:
                 pos[row], cap[row] = start + j, size
                 cos[row], sin[row] = table[0][j], table[1][j]
                 row += 1
-            out_rows[s] = row - 1
+            picked = range(row - len(feed), row) if every[s] else (row - 1,)
+            out_rows[out : out + len(picked)] = picked
+            out += len(picked)
         spec.kv_bits, spec.kv_group = bits, group
         need = self.lib.lmsp_decode_batch_scratch(ctypes.byref(spec), count, pos.ctypes.data)
         if self.scratch.size < need:
             self.scratch = np.empty(max(need, 2 * self.scratch.size), np.float32)
-        logits = np.empty((len(feeds), spec.vocab), np.float32)
+        logits = np.empty((len(out_rows), spec.vocab), np.float32)
         ids = np.asarray([t for f in feeds for t in f], np.int32)
         cpu_blas.park_blas_threads()
         if self.lib.lmsp_decode_batch(ctypes.byref(spec), count, ids.ctypes.data, pos.ctypes.data, cap.ctypes.data,
-                                      rows, cos.ctypes.data, sin.ctypes.data, len(feeds), out_rows.ctypes.data,
+                                      rows, cos.ctypes.data, sin.ctypes.data, len(out_rows), out_rows.ctypes.data,
                                       logits.ctypes.data, self.scratch.ctypes.data) != 0:
             log.warning("compiled batch step: no memory for %d rows; the sequences step one by one", count)
             return None

@@ -64,6 +64,7 @@ class GenerationParams:
     seed: int | None = None  # sampling repeats for the same seed, prompt and settings
     raw: bool = False  # a text completion: the sampled text as it is, no reasoning or calls read out of it
     ignore_eos: bool = False  # vLLM's: the end of turn is sampled like any token (benchmarks' fixed lengths)
+    speculate: bool = True  # False: this request drafts nothing, whatever --speculate says (a request's extension)
 
 
 def prefill(lm: LoadedModel, tokens: list[int], cache: list, step: int, check: Callable[[int, int], None]) -> None:

@@ -28,6 +28,7 @@ from mlx_lm.sample_utils import apply_top_k, apply_top_p
 from .events import Finished, GenerationEvent, TextDelta, Usage
 from .generate import LONG_PREFILL, GenerationParams, continue_after, prefill
 from .loader import LoadedModel
+from .speculate import Drafting
 
 log = logging.getLogger("lmsp_mlx.engine")
 
@@ -225,6 +226,7 @@ class Sequence:
     pending: list[int] = field(default_factory=list)  # the tokens the next decode step feeds
     alone: str | None = None  # why this sequence steps outside the batched forward (logged once)
     together: bool = True  # its prompt may prefill in one forward with others' (engine/batch.py `prefill_group`)
+    drafting: Drafting | None = None  # its speculation (engine/speculate.py); None: it never drafts
 
     def __post_init__(self) -> None:
         p = self.params
@@ -303,6 +305,33 @@ class Sequence:
     def take(self, logits: mx.array) -> None:
         """Sample from the logits (1, vocab) the step gave after `pending`, and stream the token."""
         self.take_token(self.sampler(logits, self.reply))
+
+    def draft(self) -> list[int]:
+        """The tokens this decode step may verify after `pending`: a draft where the sequence
+        speculates and has one token pending; [] otherwise."""
+        if self.drafting is None or len(self.pending) != 1:
+            return []
+        room = self.params.max_tokens - len(self.reply) - 1  # the step gives one token more than it drafts
+        if room < 1:
+            return []
+        return self.drafting.draft(self.params.prompt + self.reply, room)
+
+    def take_drafted(self, logits: mx.array, draft: list[int]) -> int:
+        """Take the tokens a verifying step gives: `logits` (1 + len(draft), vocab) are the
+        rows after `pending` and after each drafted token. Each row is sampled in turn, as
+        `take` samples a step's row, and the run stops at the first token that is not the
+        draft's (or where the reply ends). Returns how many of the fed rows the cache keeps:
+        those whose tokens are now the reply's, `pending` and the accepted drafted tokens."""
+        taken = accepted = 0
+        for j in range(len(draft) + 1):
+            self.take(logits[j : j + 1])  # a token the budget forces is taken as in any step
+            taken += 1
+            hit = j < len(draft) and self.reply[-1] == draft[j]
+            accepted += hit
+            if self.phase is Phase.DONE or not hit:
+                break
+        self.drafting.settle(len(draft), accepted)
+        return taken
 
     def take_token(self, token: int) -> None:
         """Stream `token`, drawn by `sample_rows` or `take` (already recorded by the sampler)."""

@@ -37,10 +37,11 @@ from .generate import GenerationParams
 from .loader import LoadedModel
 from .memory import HeapTrimmer
 from .models import ModelSet
-from ..settings import CacheSettings, EngineSettings
+from ..settings import CacheSettings, EngineSettings, SpeculateMode
 from .footprint import budget_bytes
 from .slot import ModelSlot, ModelSpec, SlotState, close_slot, footprint, open_slot
 from .sequence import Phase, Sequence
+from .speculate import Drafting
 from .turn import Conversation, TurnOutput
 
 log = logging.getLogger("lmsp_mlx.engine")
@@ -135,6 +136,8 @@ class Counters:
     kv_bytes: int = 0  # their KV arrays and snapshots
     lookups: dict[CacheSource, int] = field(default_factory=dict)  # where each request's KV came from
     live_continuations: int = 0  # requests of tool outputs alone that continued a live turn by call id
+    drafted: dict[SpeculateMode, int] = field(default_factory=dict)  # speculative tokens drafted, by drafter
+    accepted: dict[SpeculateMode, int] = field(default_factory=dict)  # ... and of those, accepted
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
@@ -155,6 +158,8 @@ class EngineSnapshot:
     output_tokens: int
     lookups: dict[CacheSource, int]
     live_continuations: int
+    drafted: dict[SpeculateMode, int]
+    accepted: dict[SpeculateMode, int]
     kv_sessions: int
     kv_bytes: int
     mlx_active_bytes: int
@@ -308,6 +313,7 @@ class Engine:
                 queue_depth=self.queued, busy=self.busy, batch_sequences=self.running, batch_max=self.max_batch,
                 models_loaded=loaded, requests=dict(c.requests), prompt_tokens=c.prompt_tokens,
                 output_tokens=c.output_tokens, lookups=dict(c.lookups), live_continuations=c.live_continuations,
+                drafted=dict(c.drafted), accepted=dict(c.accepted),
                 kv_sessions=c.kv_sessions, kv_bytes=c.kv_bytes, mlx_active_bytes=mx.get_active_memory(),
                 mlx_cache_bytes=mx.get_cache_memory())
 
@@ -474,11 +480,18 @@ class Engine:
 
         try:
             seq = Sequence(lm, params, start.session.cache, emit, sampled=sampled,
-                           whole=lambda: params.one_call and bool(turn.calls) or turn.stopped)
+                           whole=lambda: params.one_call and bool(turn.calls) or turn.stopped,
+                           drafting=self._drafting(params))
         except Exception:
             pool.abandon(start)
             raise
         return Running(job, start, seq, turn, time.monotonic())
+
+    def _drafting(self, params: GenerationParams) -> Drafting | None:
+        """The sequence's speculation: --speculate's drafter, unless the request turned it off."""
+        if self.settings.speculate == "off" or not params.speculate:
+            return None
+        return Drafting(self.settings.num_draft_tokens)
 
     # -- a request ends -----------------------------------------------------------------------
 
@@ -508,7 +521,8 @@ class Engine:
                 binding = None if turn.dropped else turn.binding(slot.calls, ended)
             except Exception:  # the reply is out; without a binding only the next lookup is slower
                 log.exception("the turn's visible transcript could not be rendered")
-        self._log(job, lm, _STATUS[done.reason], done.usage, done.prefill_tps, done.decode_tps, extra)
+        self._log(job, lm, _STATUS[done.reason], done.usage, done.prefill_tps, done.decode_tps,
+                  extra + self._count_drafts(run.seq))
         slot.pool.finish(start, run.seq.sampled, ok=True, binding=binding, calls=calls)
         if job.keep_history and done.reason != "cancelled":
             slot.pool.keep_history(start, job.keep_history)
@@ -528,8 +542,19 @@ class Engine:
         log.error("generation failed: %s: %s", type(exc).__name__, exc, exc_info=exc)
         slot.pool.finish(run.start, run.seq.sampled, ok=False, binding=None)
         run.job.emit(Failed(f"generation failed: {type(exc).__name__}: {exc}"))
-        self._log(run.job, slot.lm, "failed", Usage(len(run.start.tokens), 0), 0.0, 0.0)
+        self._log(run.job, slot.lm, "failed", Usage(len(run.start.tokens), 0), 0.0, 0.0, self._count_drafts(run.seq))
         self._count_kv()
+
+    def _count_drafts(self, seq: Sequence) -> str:
+        """Add an ended sequence's drafts to the counters; its request log line's part."""
+        d = seq.drafting
+        if d is None:
+            return ""
+        with self.counters.lock:
+            c = self.counters
+            c.drafted[self.settings.speculate] = c.drafted.get(self.settings.speculate, 0) + d.drafted
+            c.accepted[self.settings.speculate] = c.accepted.get(self.settings.speculate, 0) + d.accepted
+        return f" speculation={d.accepted}/{d.drafted}"
 
     def _count_kv(self) -> None:
         """After a sequence ended: the resident KV for /metrics, and the heap's free pages back to the OS."""

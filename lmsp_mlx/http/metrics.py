@@ -22,7 +22,7 @@ CONTENT_TYPE = "text/plain; version=0.0.4"
 @bp.get("/metrics")
 @requires("admin")
 async def metrics():
-    """Prometheus text: queue, batch, models, generations, tokens, KV lookups and sessions, memory, HTTP replies"""
+    """Prometheus text: queue, batch, models, generations, tokens, KV, speculative drafts, memory, HTTP replies"""
     s = state()
     return Response(render(s.engine.snapshot(), dict(s.http_statuses)), mimetype=CONTENT_TYPE)
 
@@ -40,6 +40,8 @@ def render(snap: EngineSnapshot, http_statuses: Mapping[int, int]) -> str:
         *_counter("lmsp_output_tokens_total", snap.output_tokens),
         *_labelled("lmsp_kv_lookups_total", "source", snap.lookups.items()),
         *_counter("lmsp_kv_live_continuations_total", snap.live_continuations),
+        *_labelled("lmsp_speculative_drafted_tokens_total", "drafter", snap.drafted.items()),
+        *_labelled("lmsp_speculative_accepted_tokens_total", "drafter", snap.accepted.items()),
         *_gauge("lmsp_kv_sessions", snap.kv_sessions),
         *_gauge("lmsp_kv_resident_bytes", snap.kv_bytes),
         *_gauge("lmsp_mlx_active_bytes", snap.mlx_active_bytes),

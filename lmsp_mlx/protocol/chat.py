@@ -111,6 +111,7 @@ class ChatRequest(_Chat):
     logit_bias: LogitBias | None = None
     reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
     chat_template_kwargs: TemplateSettings | None = None  # the template's settings, as mlx_lm.server and vLLM take them
+    speculate: bool | None = None  # an extension: false drafts no tokens for this request (--speculate)
     # The API's first form of tools, replaced by `tools` / `tool_choice`; refused, not ignored.
     functions: list[Any] | None = None
     function_call: Any = None
@@ -181,6 +182,7 @@ def to_responses(req: ChatRequest) -> tuple[ResponsesRequest, list[int]]:
         "logit_bias": req.logit_bias,
         "parallel_tool_calls": req.parallel_tool_calls, "chat_template_kwargs": req.chat_template_kwargs,
         "reasoning": {"effort": req.reasoning_effort} if req.reasoning_effort else None,
+        "extensions": None if req.speculate is None else {"speculate": req.speculate},
     }
     return parse_request(body), origin
 

@@ -44,6 +44,7 @@ class CompletionRequest(_Completions):
     suffix: str | None = None  # refused unless empty: no fill-in-the-middle here
     user: str | None = None
     ignore_eos: bool = False  # vLLM's extension, which `vllm bench serve` sends for fixed output lengths
+    speculate: bool | None = None  # an extension: false drafts no tokens for this request (--speculate)
 
     def one_prompt(self) -> str | list[int]:
         p = self.prompt

@@ -284,6 +284,13 @@ class ReasoningSettings(_Strict):
     budget_tokens: Annotated[int, Field(ge=1)] | None = None
 
 
+class Extensions(BaseModel):
+    """`extensions`: the private extensions this server reads; it ignores others."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+    speculate: bool | None = None  # false: this request drafts no tokens, whatever --speculate says
+
+
 # OpenAI's limits: 16 pairs, keys up to 64 characters, values up to 512.
 Metadata = Annotated[dict[Annotated[str, Field(max_length=64)], Annotated[str, Field(max_length=512)]],
                      Field(max_length=16)]
@@ -307,7 +314,7 @@ class ResponsesRequest(_Strict):
     tool_choice: Union[Literal["auto", "none", "required"], dict[str, Any]] | None = None
     store: bool = False
     previous_response_id: str | None = None
-    extensions: dict[str, Any] | None = None
+    extensions: Extensions | None = None
     # Fields of the OpenAI-style /v1 route (ignored on LMSP when absent).
     instructions: str | None = None
     text: dict[str, Any] | None = None

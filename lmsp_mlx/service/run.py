@@ -168,6 +168,7 @@ class ResponseRun(WorkerRun[ItemEvent]):
             one_call=self.req.parallel_tool_calls is False,
             stop=self.stop,
             reasoning_budget=self.req.reasoning.budget_tokens if self.req.reasoning else None,
+            speculate=not (self.req.extensions and self.req.extensions.speculate is False),
             **sampling(self.req, lm.vocab_size),
         )
         self._submit(params, self.route, text=prompt.text, conv=conv, visible=visible, keep_history=self.compacted)

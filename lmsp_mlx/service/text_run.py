@@ -47,7 +47,8 @@ class TextRun(WorkerRun[str]):
             room = check_room(len(tokens), lm.context_length, "prompt")
             params = GenerationParams(prompt=tokens, max_tokens=min(self.req.max_tokens, room),
                                       prefill_step=self.prefill_step, stop=tuple(self.req.stops()), raw=True,
-                                      ignore_eos=self.req.ignore_eos, **sampling(self.req, lm.vocab_size))
+                                      ignore_eos=self.req.ignore_eos, speculate=self.req.speculate is not False,
+                                      **sampling(self.req, lm.vocab_size))
         except BaseException:
             self.close()
             raise
