@@ -53,6 +53,13 @@ log = logging.getLogger("lmsp_mlx.engine")
 PREFILL_TOGETHER = os.environ.get("LMSP_PREFILL_TOGETHER", "1") != "0"
 
 
+# The most rows a decode step carries with drafts: a step is bound by reading the weights
+# until its rows' arithmetic takes over, and past that a drafted row costs about what it
+# saves. Measured on SmolLM2 float32 (benchmarks/speculative.py): drafts of 4 for each of 8
+# streams made the aggregate 0.91x of none; a few rows beside 1 stream, 2.06x.
+DRAFT_ROWS = 12
+
+
 def next_prefill(seqs: list[Sequence]) -> Sequence | None:
     """The sequence whose prompt chunk runs this step: the one with the least prompt left
     (a short request's first token does not wait behind a long prompt's chunks), the
@@ -178,14 +185,18 @@ class Batch:
         a pass: in the compiled batched step, each sequence with its own number of rows; on
         the MLX runner, for a sequence that decodes alone (in a merged batch every row would
         have to carry the longest draft). A cache with a layer that can give refused rows
-        back neither way (`rollback_plan`) drafts nothing."""
+        back neither way (`rollback_plan`) drafts nothing. The step's rows stay within
+        DRAFT_ROWS: a wide batch drafts little or nothing."""
         drafts: dict[Sequence, list[int]] = {}
+        most = (DRAFT_ROWS - len(seqs)) // len(seqs)
+        if most < 1:
+            return drafts
         for s in seqs:
             if s.drafting is None or len(s.pending) != 1:
                 continue
             if not (batch_step is not None and batch_step.takes(s.cache) or len(seqs) == 1):
                 continue
-            if (draft := s.draft()) and rollback_plan(s.cache, 1 + len(draft)) is not None:
+            if (draft := s.draft(most)) and rollback_plan(s.cache, 1 + len(draft)) is not None:
                 drafts[s] = draft
         return drafts
 

@@ -182,6 +182,15 @@ class Sampler:
         (a seeded sequence draws from its own key chain)."""
         return self._key is None
 
+    def greedy_rows(self, logits: mx.array) -> list[int] | None:
+        """Every row's token at once, where each is the row's argmax whatever came before it:
+        greedy with no grammar, penalty, bias or reasoning budget (those depend on the tokens
+        taken before); None otherwise."""
+        if self.temperature != 0 or self.constraint is not None or self.penalties is not None \
+                or self.budget is not None:
+            return None
+        return mx.argmax(logits, axis=-1).tolist()
+
     def forced(self) -> int | None:
         """The token the reasoning budget forces this step, if any (no logits needed)."""
         return self.budget.forced() if self.budget is not None else None
@@ -306,12 +315,12 @@ class Sequence:
         """Sample from the logits (1, vocab) the step gave after `pending`, and stream the token."""
         self.take_token(self.sampler(logits, self.reply))
 
-    def draft(self) -> list[int]:
-        """The tokens this decode step may verify after `pending`: a draft where the sequence
-        speculates and has one token pending; [] otherwise."""
+    def draft(self, most: int) -> list[int]:
+        """The tokens (at most `most`) this decode step may verify after `pending`: a draft
+        where the sequence speculates and has one token pending; [] otherwise."""
         if self.drafting is None or len(self.pending) != 1:
             return []
-        room = self.params.max_tokens - len(self.reply) - 1  # the step gives one token more than it drafts
+        room = min(most, self.params.max_tokens - len(self.reply) - 1)  # the step gives one token more than it drafts
         if room < 1:
             return []
         return self.drafting.draft(self.params.prompt + self.reply, room)
@@ -323,8 +332,12 @@ class Sequence:
         draft's (or where the reply ends). Returns how many of the fed rows the cache keeps:
         those whose tokens are now the reply's, `pending` and the accepted drafted tokens."""
         taken = accepted = 0
+        greedy = self.sampler.greedy_rows(logits)  # one sync for every row, where that draws the same
         for j in range(len(draft) + 1):
-            self.take(logits[j : j + 1])  # a token the budget forces is taken as in any step
+            if greedy is None:
+                self.take(logits[j : j + 1])  # a token the budget forces is taken as in any step
+            else:
+                self.take_token(self.sampler.taken(greedy[j]))
             taken += 1
             hit = j < len(draft) and self.reply[-1] == draft[j]
             accepted += hit
