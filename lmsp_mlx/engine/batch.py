@@ -188,7 +188,7 @@ class Batch:
         back neither way (`rollback_plan`) drafts nothing. The step's rows stay within
         DRAFT_ROWS: a wide batch drafts little or nothing."""
         drafts: dict[Sequence, list[int]] = {}
-        most = (DRAFT_ROWS - len(seqs)) // len(seqs)
+        most = (DRAFT_ROWS - len(seqs)) // max(1, len(seqs))
         if most < 1:
             return drafts
         for s in seqs:
