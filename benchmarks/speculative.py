@@ -133,7 +133,7 @@ def drafts(url: str) -> tuple[int, int]:
     text = httpx.get(url + "/metrics", timeout=10).text
 
     def total(name: str) -> int:
-        return sum(int(m.group(1)) for m in re.finditer(rf"^{name}{{[^}}]*}} (\d+)$", text, re.M))
+        return sum(int(m.group(1)) for m in re.finditer(rf"^{name}{{[^}}]*}} (\d+)$", text, re.MULTILINE))
 
     return total("lmsp_speculative_drafted_tokens_total"), total("lmsp_speculative_accepted_tokens_total")
 

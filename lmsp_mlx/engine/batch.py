@@ -155,6 +155,8 @@ class Batch:
         batch_step = self.lm.runner.batch
         drafts = self._drafts(seqs, batch_step)
         compiled, merged, alone = _plan(seqs, batch_step, drafts)
+        for s in merged:  # a merged batch feeds one token a row: a draft drawn for it is dropped
+            drafts.pop(s, None)
         for s in compiled:  # a merged member's newest K/V are in the merged cache: hand them back first
             self._merged.release(s)
         runs = ((compiled, lambda group: batch_step([s.pending + drafts.get(s, []) for s in group],
