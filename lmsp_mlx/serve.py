@@ -148,7 +148,11 @@ def _start_engine(settings: EngineSettings, cache: CacheSettings) -> tuple[Engin
             model_id = (settings.model_id if first else None) or named or path.name
             if any(s.id == model_id for s in specs):
                 raise StartError(f"two --model flags name the id {model_id!r}")
-            specs.append(ModelSpec(model_id, path, options, pinned=settings.pin))
+            draft = None
+            if first and settings.draft_model is not None:
+                draft, _ = _model_path(settings.draft_model, store)
+                check_model_dir(draft)
+            specs.append(ModelSpec(model_id, path, options, pinned=settings.pin, draft=draft))
         catalog = Catalog(specs, store, shared, aliases=settings.model_aliases)
         for pattern, target in settings.model_aliases:
             if catalog.find(target) is None:

@@ -25,7 +25,7 @@ from typing import Literal
 
 LogLevel = Literal["debug", "info", "warning", "error"]
 Backend = Literal["metal", "cuda", "cpu"]
-SpeculateMode = Literal["off", "ngram"]  # --speculate (engine/speculate.py)
+SpeculateMode = Literal["off", "ngram", "draft"]  # --speculate (engine/speculate.py)
 MiB = 2**20
 
 
@@ -66,8 +66,9 @@ class EngineSettings:
     max_queue: int = 16  # requests that may wait for a place in the batch before 429
     max_output_tokens: int | None = None  # the limit of a request that sets none (None: the rest of the context)
     prefill_chunk: int | None = None  # prompt tokens per prefill step (None: by backend, for_backend)
-    speculate: SpeculateMode = "off"  # --speculate: how sequences draft tokens a step verifies (engine/speculate.py)
+    speculate: SpeculateMode = "ngram"  # --speculate: how sequences draft tokens a step verifies (engine/speculate.py)
     num_draft_tokens: int = 4  # the most a sequence drafts per step; the number in use adapts below it
+    draft_model: str | None = None  # --draft-model: what drafts for the first --model under --speculate draft
 
     def for_backend(self, backend: Backend) -> EngineSettings:
         """These settings with the sizes left to the backend filled in: a CPU step is slow,

@@ -21,10 +21,10 @@ from lmsp_mlx.engine.batch import Batch, chunk_size, generate, next_prefill
 from lmsp_mlx.engine.generate import GenerationParams
 from lmsp_mlx.engine.loader import load_model
 from lmsp_mlx.engine.sequence import Phase, Sequence
-from lmsp_mlx.engine.speculate import LONGEST_PAUSE, Drafting, PromptLookup, rollback_plan
+from lmsp_mlx.engine.speculate import LONGEST_PAUSE, DraftModel, Drafting, PromptLookup, rollback_plan, same_tokenizer
 from tests.helpers import HTTP
 from tests.test_families import on_the_mlx_runner, params
-from tests.tiny_model import FAMILIES, build_tiny_family_model
+from tests.tiny_model import FAMILIES, build_tiny_family_model, first_layers, write_tokenizer
 
 # -- the drafter and its adaptation --------------------------------------------------------------
 
@@ -163,6 +163,53 @@ def test_a_rotating_cache_trims_until_its_window_fills_then_reruns():
     assert rollback_plan([c], 5) == "trim" and rollback_plan([c], 7) == "rerun"
 
 
+# -- a draft model ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("sampling", [{"temperature": 0.0}, {"temperature": 0.9, "seed": 7}], ids=["greedy", "seeded"])
+def test_a_draft_model_gives_the_tokens_decoding_without_it_gives(any_lm, sampling):
+    """The model as its own draft model, on every family: its drafts are its own greedy
+    tokens, verified as any draft. Seeded sampling refuses some of them: the draft model's
+    cache trims them away, or, where it has recurrent layers, starts over from the prompt."""
+    lm = any_lm
+    p = GenerationParams(**{**params(lm)[0].__dict__, "max_tokens": 24, **sampling})
+    expected = reply(lm, p)
+    drafting = Drafting(4, drafter=DraftModel(lm))
+    assert reply(lm, p, drafting) == expected
+    assert drafting.accepted > 0
+    if lm.runner.kind == "compiled-cpu" and p.temperature == 0:  # the same rows, bitwise: every draft is right
+        assert drafting.accepted == drafting.drafted
+
+
+@pytest.fixture(scope="module")
+def llama_with_draft(tmp_path_factory):
+    """A tiny llama (4 layers) and a copy of its first 3 layers: a draft model that is often, not always, right."""
+    folder = tmp_path_factory.mktemp("draft")
+    path = build_tiny_family_model(folder / "llama", "llama")
+    return path, first_layers(path, folder / "llama-3-layers", 3)
+
+
+@pytest.mark.parametrize("sampling", [{"temperature": 0.0}, {"temperature": 0.9, "seed": 7}], ids=["greedy", "seeded"])
+def test_a_smaller_draft_model_is_verified_token_by_token(llama_with_draft, sampling):
+    path, small = llama_with_draft
+    lm, draft = load_model(path), load_model(small)
+    for p in params(lm):
+        p = GenerationParams(**{**p.__dict__, "max_tokens": 30, **sampling})
+        drafting = Drafting(4, drafter=DraftModel(draft))
+        assert reply(lm, p, drafting) == reply(lm, p)
+        assert drafting.drafted > 0
+
+
+def test_a_draft_model_must_share_the_models_tokenizer(llama_with_draft, tmp_path):
+    path, small = llama_with_draft
+    lm = load_model(path)
+    assert same_tokenizer(lm, load_model(small)) is None
+    other = first_layers(path, tmp_path / "other", 3)
+    write_tokenizer(other, words=("speculation",))  # one token more
+    why = same_tokenizer(lm, load_model(other))
+    assert why is not None and "vocabulary" in why
+
+
 # -- the distribution of sampled tokens -----------------------------------------------------------
 
 
@@ -182,35 +229,45 @@ def chi_square(counts: dict[int, int], probs: mx.array, n: int) -> tuple[float, 
 TEMPERATURE = 8.0
 
 
-def test_a_draft_leaves_the_sampled_distribution_as_it_is(tmp_path):
-    """Unseeded sampling with a draft of one token every time (the token the model likes
-    second best): the first token follows the model's own distribution, and so does the
-    token after an accepted draft (drawn from the draft's row). Pearson's chi-square against
-    the model's probabilities, 1,200 replies, at the 0.1% level (the random state is seeded
-    by conftest.py). Temperature 8 spreads the tiny model's sharp head over a dozen tokens."""
-    lm = load_model(build_tiny_family_model(tmp_path / "llama", "llama"))
+@pytest.mark.parametrize("drafter", ["second-likeliest", "draft-model"])
+def test_a_draft_leaves_the_sampled_distribution_as_it_is(llama_with_draft, drafter):
+    """Unseeded sampling with a draft of one token every time: the token the model likes
+    second best, or a draft model's (the model's first 3 layers) greedy token. The first
+    token follows the model's own distribution, and so does the token after an accepted
+    draft (drawn from the draft's row). Pearson's chi-square against the model's
+    probabilities, 1,200 replies, at the 0.1% level (the random state is seeded by
+    conftest.py). Temperature 8 spreads the tiny model's sharp head over a dozen tokens."""
+    path, small = llama_with_draft
+    lm = load_model(path)
     prompt = params(lm)[0].prompt
     cache = make_prompt_cache(lm.model)
     first = mx.softmax(lm.runner.last_logits(prompt, cache)[0] / TEMPERATURE)
-    second_draft = int(mx.argsort(first)[-2].item())
+    if drafter == "draft-model":
+        draft = load_model(small)
+        drafted = DraftModel(draft).draft(prompt, 1)[0]
+        new_drafter = lambda: DraftModel(draft)  # noqa: E731  (a fresh draft cache for each reply)
+    else:
+        drafted = int(mx.argsort(first)[-2].item())
 
-    class Second:
-        def draft(self, tokens: list[int], k: int) -> list[int]:
-            return [second_draft]
+        class Fixed:
+            def draft(self, tokens: list[int], k: int) -> list[int]:
+                return [drafted]
+
+        new_drafter = Fixed
 
     n, firsts, seconds = 1200, {}, {}
     for _ in range(n):
         got = reply(lm, GenerationParams(prompt=prompt, max_tokens=2, temperature=TEMPERATURE),
-                    Drafting(1, drafter=Second()))
+                    Drafting(1, drafter=new_drafter()))
         firsts[got[0]] = firsts.get(got[0], 0) + 1
-        if got[0] == second_draft:
+        if got[0] == drafted:
             seconds[got[1]] = seconds.get(got[1], 0) + 1
     stat, dof = chi_square(firsts, first, n)
     assert stat < chi_square_999(dof), (stat, dof)
     cache = make_prompt_cache(lm.model)
-    after = mx.softmax(lm.runner.last_logits([*prompt, second_draft], cache)[0] / TEMPERATURE)
+    after = mx.softmax(lm.runner.last_logits([*prompt, drafted], cache)[0] / TEMPERATURE)
     m = sum(seconds.values())
-    assert m > 100  # the draft was the second likeliest token: accepted often enough to test
+    assert m > 100  # the draft was a likely token: accepted often enough to test
     stat, dof = chi_square(seconds, after, m)
     assert stat < chi_square_999(dof), (stat, dof)
 
@@ -244,22 +301,28 @@ def cycling_prompt(n: int, at: int) -> list[int]:
     return [(at + 7 * i) % 250 + 5 for i in range(n)]
 
 
-def test_concurrent_requests_get_the_tokens_they_get_without_speculation(speculating):
-    bodies = [(cycling_prompt(n, at), m) for n, at, m in ((40, 3, 80), (9, 11, 20), (23, 17, 80), (61, 5, 80))]
-    expected = [complete(speculating, *b, speculate=False)["choices"][0]["text"] for b in bodies]
+def speculates_like_decoding_alone(server, bodies: list[tuple[list[int], int]], drafter: str) -> None:
+    """The bodies at once with speculation give the texts each gets alone without it; the
+    log and /metrics show the drafter's drafts."""
+    expected = [complete(server, *b, speculate=False)["choices"][0]["text"] for b in bodies]
     got: dict[int, str] = {}
     threads = [threading.Thread(target=lambda i=i: got.__setitem__(
-        i, complete(speculating, *bodies[i], speculate=True)["choices"][0]["text"])) for i in range(4)]
+        i, complete(server, *bodies[i], speculate=True)["choices"][0]["text"])) for i in range(len(bodies))]
     for t in threads:
         t.start()
     for t in threads:
         t.join(timeout=120)
-    assert [got[i] for i in range(4)] == expected
-    log = speculating.log()
-    assert "speculation=" in log
-    metrics = HTTP.get(speculating.url + "/metrics").text
+    assert [got[i] for i in range(len(bodies))] == expected
+    assert "speculation=" in server.log()
+    metrics = HTTP.get(server.url + "/metrics").text
     drafted = next(line for line in metrics.splitlines() if line.startswith("lmsp_speculative_drafted_tokens_total{"))
-    assert drafted.startswith('lmsp_speculative_drafted_tokens_total{drafter="ngram"}') and int(drafted.split()[-1]) > 0
+    assert drafted.startswith(f'lmsp_speculative_drafted_tokens_total{{drafter="{drafter}"}}')
+    assert int(drafted.split()[-1]) > 0
+
+
+def test_concurrent_requests_get_the_tokens_they_get_without_speculation(speculating):
+    bodies = [(cycling_prompt(n, at), m) for n, at, m in ((40, 3, 80), (9, 11, 20), (23, 17, 80), (61, 5, 80))]
+    speculates_like_decoding_alone(speculating, bodies, "ngram")
 
 
 def test_a_stop_sequence_inside_an_accepted_draft_ends_the_reply_there(speculating):
@@ -309,3 +372,53 @@ def test_a_client_that_leaves_mid_stream_leaves_the_others_served(speculating):
     expected = complete(speculating, prompt, 30, speculate=False)["choices"][0]["text"]
     assert complete(speculating, prompt, 30, speculate=True)["choices"][0]["text"] == expected
     assert "Traceback" not in speculating.log()
+
+
+@pytest.fixture(scope="module")
+def drafting_server(start_module_server, llama_with_draft):
+    """The tiny llama with its first 3 layers as --draft-model (which turns --speculate draft on)."""
+    path, small = llama_with_draft
+    return start_module_server("--model", str(path), "--model-id", "m", "--no-kv-disk", "--max-batch", "4",
+                               "--draft-model", str(small))
+
+
+def test_a_draft_model_serves_concurrent_requests_their_own_tokens(drafting_server):
+    bodies = [(cycling_prompt(n, at), m) for n, at, m in ((40, 3, 60), (9, 11, 20), (23, 17, 60))]
+    speculates_like_decoding_alone(drafting_server, bodies, "draft")
+    assert "drafts with llama-3-layers" in drafting_server.log()
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["--speculate", "draft"], "--speculate draft needs --draft-model"),
+    (["--speculate", "ngram", "--draft-model", "x"], "--draft-model drafts under --speculate draft, not --speculate ngram"),
+])
+def test_speculation_flags_that_do_not_fit_together_are_one_line_errors(argv, needle, capsys):
+    from lmsp_mlx import flags
+
+    with pytest.raises(SystemExit) as exit:
+        flags.parse(argv)
+    err = capsys.readouterr().err
+    assert exit.value.code == 2 and needle in err and err.count("\n") == 1
+
+
+def test_a_draft_model_turns_speculation_on_unless_told_otherwise():
+    from lmsp_mlx import flags
+
+    assert flags.parse(["--draft-model", "x"]).engine.speculate == "draft"
+    off = flags.parse(["--draft-model", "x", "--speculate", "off"]).engine
+    assert (off.speculate, off.draft_model) == ("off", None)  # nothing to load
+    assert flags.parse([]).engine.speculate == "ngram"  # the default: prompt lookup
+
+
+def test_a_draft_model_with_another_tokenizer_is_a_one_line_start_error(llama_with_draft, tmp_path):
+    import subprocess
+    import sys
+
+    path, _ = llama_with_draft
+    other = first_layers(path, tmp_path / "other", 2)
+    write_tokenizer(other, words=("speculation",))
+    done = subprocess.run([sys.executable, "-m", "lmsp_mlx.serve", "--model", str(path), "--draft-model", str(other),
+                           "--store", str(tmp_path / "s.sqlite3"), "--no-kv-disk", "--state-key-file",
+                           str(tmp_path / "k")], capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0 and "Traceback" not in done.stderr
+    assert f"--draft-model {other} cannot draft for" in done.stderr and "vocabulary" in done.stderr

@@ -335,3 +335,20 @@ def build_tiny_family_model(out: Path, arch: str, *, seed: int = 3, **sizes) -> 
     mx.save_safetensors(str(out / "model.safetensors"), weights)
     (out / "config.json").write_text(json.dumps(config))
     return out
+
+
+def first_layers(src: Path, out: Path, layers: int) -> Path:
+    """A copy of the model at `src` (config.json and *.safetensors, mlx-lm's names) that keeps
+    only its first `layers` decoder layers: a draft model with the same tokenizer, cheaper and
+    less often right. Files other than weights and config are copied as they are."""
+    import shutil
+
+    shutil.copytree(src, out)
+    config = json.loads((out / "config.json").read_text())
+    config["num_hidden_layers"] = layers
+    (out / "config.json").write_text(json.dumps(config))
+    for f in out.glob("*.safetensors"):
+        weights = mx.load(str(f))
+        mx.save_safetensors(str(f), {k: v for k, v in weights.items()
+                                     if not (k.startswith("model.layers.") and int(k.split(".")[2]) >= layers)})
+    return out

@@ -38,6 +38,7 @@ class ModelSpec:
     path: Path
     options: LoadOptions = LoadOptions()
     pinned: bool = False  # never unloaded while the server runs (--pin)
+    draft: Path | None = None  # the model that drafts for it (--draft-model), loaded beside it
 
 
 class SlotState(enum.Enum):
@@ -53,6 +54,7 @@ class ModelSlot:
     lm: LoadedModel | None = None
     pool: SessionPool | None = None
     batch: Batch | None = None
+    draft: LoadedModel | None = None  # spec.draft loaded: its tokenizer is the model's
     calls: CallMemory = field(default_factory=CallMemory)  # read by request handlers while they render (locked)
     size_bytes: int = 0  # its weights once loaded (engine/footprint.py), counted against the memory budget
     leases: int = 0  # runs that hold it (event loop); it is unloaded only at none
@@ -70,7 +72,10 @@ def footprint(spec: ModelSpec) -> int:
     from .footprint import estimate_bytes
     from .loader import backend_name
 
-    return estimate_bytes(spec.path, check_model_dir(spec.path), backend_name())
+    weights = estimate_bytes(spec.path, check_model_dir(spec.path), backend_name())
+    if spec.draft is not None:
+        weights += estimate_bytes(spec.draft, check_model_dir(spec.draft), backend_name())
+    return weights
 
 
 def open_slot(slot: ModelSlot, *, ctx: int | None, cache: CacheSettings, max_output_tokens: int | None) -> None:
@@ -78,6 +83,8 @@ def open_slot(slot: ModelSlot, *, ctx: int | None, cache: CacheSettings, max_out
     spec = slot.spec
     lm = load_model(spec.path, model_id=spec.id, ctx=ctx, options=spec.options)
     lm.default_max_output_tokens = max_output_tokens
+    if spec.draft is not None:
+        slot.draft = _open_draft(lm, spec.draft)
     slot.pool = _make_pool(lm, cache, slot.calls)
     slot.batch = Batch(lm)
     slot.lm = lm
@@ -90,9 +97,21 @@ def close_slot(slot: ModelSlot) -> None:
             slot.pool.close()
         except Exception:  # the model goes anyway; its sessions are lost, not the server
             log.exception("model %s: its KV sessions could not be checkpointed", slot.id)
-    slot.lm = slot.pool = slot.batch = None
+    slot.lm = slot.pool = slot.batch = slot.draft = None
     gc.collect()
     mx.clear_cache()
+
+
+def _open_draft(lm: LoadedModel, path: Path) -> LoadedModel:
+    """The draft model of `lm`: loaded as any model, and refused unless its tokenizer is lm's
+    (a draft token is an id, and it must mean the same text to both)."""
+    from .speculate import same_tokenizer
+
+    draft = load_model(path, model_id=f"{lm.id} (draft)")
+    if (why := same_tokenizer(lm, draft)) is not None:
+        raise ModelLoadError(f"--draft-model {path} cannot draft for {lm.id}: {why}")
+    log.info("model %s: drafts with %s (%s, %s)", lm.id, path.name, draft.runner.describe(), draft.quantization)
+    return draft
 
 
 def _make_pool(lm: LoadedModel, cs: CacheSettings, calls: CallMemory) -> SessionPool:

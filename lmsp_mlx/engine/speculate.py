@@ -9,9 +9,11 @@ echoed back, a tool's arguments re-sent), so the sequence's own prompt and reply
 good drafter, and one that needs no second model.
 
 The pieces:
-- `PromptLookup`: the drafter. It indexes every n-gram (n = 2..4) of the sequence's
-  tokens by where it last ended, and drafts what followed the longest n-gram that ends the
-  sequence now, up to k tokens.
+- `PromptLookup` (--speculate ngram): it indexes every n-gram (n = 2..4) of the
+  sequence's tokens by where it last ended, and drafts what followed the longest n-gram
+  that ends the sequence now, up to k tokens.
+- `DraftModel` (--speculate draft, --draft-model): a smaller model with the target's
+  tokenizer drafts k tokens greedily, on a KV cache of its own that follows the sequence.
 - `Drafting`: one sequence's speculation state: the drafter, how many tokens it drafts now
   (k adapts to what is accepted) and its pause after drafts that were refused, so that
   text where lookup does not help costs almost nothing.
@@ -26,8 +28,9 @@ without speculation would sample them, and the run stops at the first token that
 from the draft. The tokens a reply gets are therefore the tokens it gets without
 speculation: the same greedy tokens, the same seeded draws. For an unseeded draw this is
 speculative sampling with a draft distribution that is all on the drafted token: the draft
-is kept with probability p(draft), and otherwise the token comes from p without it, the
-normalised residual.
+is kept with probability p(draft) = min(1, p/q) for q = 1, and otherwise the token comes
+from p without it, the normalised residual. Both drafters draft that way (the draft
+model greedily), so one verifier serves them and the output distribution is the model's.
 """
 
 from __future__ import annotations
@@ -36,13 +39,18 @@ import logging
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
-from mlx_lm.models.cache import ArraysCache, CacheList, KVCache, QuantizedKVCache, RotatingKVCache
+import mlx.core as mx
+from mlx_lm.models.cache import ArraysCache, CacheList, KVCache, QuantizedKVCache, RotatingKVCache, can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
+
+from .generate import prefill
 
 log = logging.getLogger("lmsp_mlx.engine")
 
 NGRAM_SIZES = (4, 3, 2)  # the longest match first; a single token matches too much at random
 PAUSE_AFTER_MISSES = 2  # refused drafts in a row before the sequence pauses drafting
 LONGEST_PAUSE = 64  # steps
+DRAFT_PREFILL_CHUNK = 512  # tokens the draft model takes in one pass when it catches up with a prompt
+DRAFT_ONE_PASS = 16  # fewer new tokens than this go through the draft model in one pass, head included
 
 
 class Drafter(Protocol):
@@ -75,6 +83,72 @@ class PromptLookup:
             if end >= n and (at := self._last.get(tuple(tokens[end - n :]))) is not None:
                 return tokens[at : at + k]
         return []
+
+
+class DraftModel:
+    """Drafts with a second, smaller model that shares the target's tokenizer: k tokens,
+    each its argmax (a draft distribution all on one token, which `Sequence.take_drafted`
+    verifies exactly). One per sequence: it owns a KV cache of the draft model that follows
+    the sequence's tokens.
+
+    Invariant: `_fed` are the tokens the cache holds, in order. Before a draft the cache
+    keeps the longest prefix it shares with the sequence (the refused draft tokens are
+    trimmed away) and takes the rest: the accepted tokens and the target's own next one,
+    or, at the first draft, the whole prompt in chunks. A draft model whose cache cannot be
+    trimmed (recurrent layers) starts over from the prompt after a refused draft."""
+
+    def __init__(self, draft) -> None:
+        self.lm = draft  # engine.loader.LoadedModel
+        self.cache = make_prompt_cache(draft.model)
+        self._fed: list[int] = []
+
+    def draft(self, tokens: list[int], k: int) -> list[int]:
+        if k <= 0 or not tokens:
+            return []
+        keep = _shared_prefix(self._fed, tokens[:-1])  # the last token is fed again: its logits draft
+        if keep < len(self._fed):
+            if can_trim_prompt_cache(self.cache):
+                trim_prompt_cache(self.cache, len(self._fed) - keep)
+            else:
+                self.cache, keep = make_prompt_cache(self.lm.model), 0
+            del self._fed[keep:]
+        logits = self._feed(tokens[keep:])
+        out: list[int] = []
+        while True:
+            out.append(int(mx.argmax(logits).item()))
+            if len(out) == k:
+                return out
+            logits = self._feed(out[-1:])
+
+    def _feed(self, tokens: list[int]) -> mx.array:
+        """Run `tokens` through the draft model's cache; the logits after the last one."""
+        # A few tokens (what a step accepted) take one pass; a prompt runs body-only in
+        # chunks, and only its last token through the output head.
+        head = tokens[:-1] if len(tokens) > DRAFT_ONE_PASS else []
+        prefill(self.lm, head, self.cache, DRAFT_PREFILL_CHUNK, lambda done, total: None)
+        logits = self.lm.runner.forward(mx.array([tokens[len(head):]]), self.cache)[0, -1]
+        self._fed.extend(tokens)
+        return logits
+
+
+def _shared_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
+
+
+def same_tokenizer(target, draft) -> str | None:
+    """None where `draft` (a LoadedModel) can draft for `target`: the same vocabulary, token
+    for id; else the first difference, in words."""
+    a, b = target.tokenizer.vocab, draft.tokenizer.vocab
+    if a == b:
+        return None
+    if len(a) != len(b):
+        return f"its vocabulary has {len(b)} tokens, the model's {len(a)}"
+    differ = next(t for t in a if b.get(t) != a[t])
+    return f"token {differ!r} is id {a[differ]} in the model and {b.get(differ)} in the draft model"
 
 
 @dataclass

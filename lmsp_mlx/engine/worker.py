@@ -41,7 +41,7 @@ from ..settings import CacheSettings, EngineSettings, SpeculateMode
 from .footprint import budget_bytes
 from .slot import ModelSlot, ModelSpec, SlotState, close_slot, footprint, open_slot
 from .sequence import Phase, Sequence
-from .speculate import Drafting
+from .speculate import DraftModel, Drafting
 from .turn import Conversation, TurnOutput
 
 log = logging.getLogger("lmsp_mlx.engine")
@@ -481,16 +481,21 @@ class Engine:
         try:
             seq = Sequence(lm, params, start.session.cache, emit, sampled=sampled,
                            whole=lambda: params.one_call and bool(turn.calls) or turn.stopped,
-                           drafting=self._drafting(params))
+                           drafting=self._drafting(params, job.slot.draft))
         except Exception:
             pool.abandon(start)
             raise
         return Running(job, start, seq, turn, time.monotonic())
 
-    def _drafting(self, params: GenerationParams) -> Drafting | None:
-        """The sequence's speculation: --speculate's drafter, unless the request turned it off."""
-        if self.settings.speculate == "off" or not params.speculate:
+    def _drafting(self, params: GenerationParams, draft: LoadedModel | None) -> Drafting | None:
+        """The sequence's speculation: --speculate's drafter, unless the request turned it off.
+        Under --speculate draft, a model served without a draft model (one not the first
+        --model) does not speculate."""
+        mode = self.settings.speculate
+        if mode == "off" or not params.speculate or (mode == "draft" and draft is None):
             return None
+        if mode == "draft":
+            return Drafting(self.settings.num_draft_tokens, drafter=DraftModel(draft))
         return Drafting(self.settings.num_draft_tokens)
 
     # -- a request ends -----------------------------------------------------------------------
