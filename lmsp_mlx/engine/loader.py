@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 import mlx.core as mx
 import mlx.nn as nn
 
+from .distributed import DistributedError, Ranks
 from .render import apply_template, with_template_args
 
 if TYPE_CHECKING:
@@ -85,6 +86,7 @@ class LoadOptions:
     template_args: dict = field(default_factory=dict)  # --chat-template-args: passed to every rendering
     adapter_path: Path | None = None  # --adapter-path: mlx-lm LoRA adapters, fused into the weights at load
     memory_budget: int | None = None  # --memory-budget-mb, in bytes (default: engine/footprint.py's)
+    ranks: Ranks | None = None  # the mlx.launch ranks the model is split over (engine/distributed.py)
 
 
 def backend_name() -> str:
@@ -246,7 +248,9 @@ def load_model(path: Path, *, model_id: str | None = None, ctx: int | None = Non
         raise ModelLoadError(str(exc)) from None
     log.info("loading %s on %s%s", path, backend, f" with the adapter {adapter}" if adapter else "")
     try:
-        built = build(path, backend, adapter)
+        built = build(path, backend, adapter, options.ranks)
+    except DistributedError as exc:
+        raise ModelLoadError(f"cannot split {name} over {options.ranks.size} ranks: {exc}") from None
     except Exception as exc:  # mlx-lm raises many kinds for a broken directory (or an adapter of another base)
         what = f"the adapter {adapter} on {path}" if adapter else path
         raise ModelLoadError(f"cannot load {what}: {type(exc).__name__}: {' '.join(str(exc).split())}") from None
@@ -287,7 +291,7 @@ def load_model(path: Path, *, model_id: str | None = None, ctx: int | None = Non
         log.info("kernels for %s (LMSP_KERNELS=%s, backend %s): %s", name, kernels.mode(),
                  kernels.backend() or "cpu: compiled CPU kernels where they take the call, else references",
                  ", ".join(swapped))
-    runner = choose(model, backend, name)
+    runner = choose(model, backend, name, distributed=options.ranks is not None)
     text = text_config(config)
     trained = int(text.get("max_position_embeddings") or text.get("max_seq_len") or 4096)
     context_length = ctx or trained

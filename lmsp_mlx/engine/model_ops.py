@@ -24,12 +24,14 @@ model's own tree, not by name.
 from __future__ import annotations
 
 import importlib.util
+import logging
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
 from typing import Any, Callable
 
+import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models import base
 from mlx_lm.models.cache import QuantizedKVCache
@@ -39,6 +41,9 @@ from mlx_lm.utils import _get_classes, load_adapters, load_model
 from .. import kernels
 from ..cache.batch import BatchQuantizedKVCache
 from . import cpu_math
+from .distributed import Ranks, split
+
+log = logging.getLogger("lmsp_mlx.engine")
 
 
 @dataclass
@@ -70,10 +75,11 @@ def private_copy(module: ModuleType) -> ModuleType:
     return copy
 
 
-def build(path: Path, backend: str, adapter: Path | None) -> Built:
+def build(path: Path, backend: str, adapter: Path | None, ranks: Ranks | None = None) -> Built:
     """Load the model directory at `path` as mlx-lm's `load` does, with `module_ops`
     bound in a copy of its module (the loader then adds the modules of its own: the expert
-    kernel's layers, the CPU's fused RoPE)."""
+    kernel's layers, the CPU's fused RoPE). With `ranks`, the model is cut to this rank's
+    part (engine/distributed.py) before its weights are read: a rank reads only its own."""
     bound: list[str] = []
 
     def classes(config: dict) -> tuple[type, type]:
@@ -88,7 +94,11 @@ def build(path: Path, backend: str, adapter: Path | None) -> Built:
         bound.extend(ops)
         return copy.Model, copy.ModelArgs
 
-    model, config = load_model(path, get_model_classes=classes)
+    model, config = load_model(path, lazy=ranks is not None, get_model_classes=classes)
+    if ranks is not None:
+        held = split(model, ranks)
+        mx.eval(model.parameters())
+        log.info("rank %d of %d holds %s", ranks.rank, ranks.size, held)
     if adapter is not None:
         model = load_adapters(model, str(adapter))
         model.eval()

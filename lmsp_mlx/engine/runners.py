@@ -161,11 +161,12 @@ class CompiledCPURunner(MLXRunner):
         return f"compiled CPU ({', '.join(parts)}: cpu_blas), MLX for the rest"
 
 
-def choose(model: nn.Module, backend: str, name: str) -> Runner:
+def choose(model: nn.Module, backend: str, name: str, distributed: bool = False) -> Runner:
     """The runner for `model` on `backend`, logged in one line: the compiled CPU runner
-    where the CPU backend's compiled passes take the model, else the MLX runner."""
+    where the CPU backend's compiled passes take the model, else the MLX runner. A model
+    split over ranks runs on the MLX runner: its collectives are inside MLX's layers."""
     runner: Runner = MLXRunner(model)
-    if backend == "cpu":
+    if backend == "cpu" and not distributed:
         steps = decode_steps(model)
         chunk = prefill_pass(model)
         if steps is not None or chunk is not None:

@@ -1,0 +1,153 @@
+"""One model across several processes (ranks) that `mlx.launch` starts, over MLX's own
+distributed engine (`mlx.core.distributed`: `ring` over TCP, `jaccl` over Thunderbolt RDMA).
+Nothing here moves bytes itself: the collectives are MLX's.
+
+- `join`: the ranks this process is one of, when `mlx.launch` started it (it sets
+  MLX_RANK); None for a process on its own.
+- `split`: the loaded (still lazy) model cut to this rank's part, before its weights are
+  read, so that a rank reads only its own:
+  - tensor parallel (the default): mlx-lm's `Model.shard(group)`, which splits every
+    layer's heads and MLP columns over the ranks and sums their outputs (all_sum);
+  - pipeline parallel: mlx-lm's `pipeline(group)` where the model's body has it
+    (`PipelineMixin`), else `LayerPipeline` (llama, and the other bodies whose layers are
+    called as `layer(h, mask, cache)`). Rank 0 holds the last layers, the highest rank the
+    first; each hands its hidden state to the next with send/recv, and the output is
+    gathered so that every rank samples from the same logits.
+
+Invariant: every rank calls the model with the same shapes in the same order; the
+collectives inside a forward pass wait for all ranks.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.base import create_attention_mask
+from mlx_lm.models.pipeline import PipelineMixin
+
+log = logging.getLogger("lmsp_mlx.engine")
+
+Parallelism = Literal["tensor", "pipeline"]
+Backend = Literal["any", "ring", "jaccl", "mpi"]
+
+
+class DistributedError(Exception):
+    """A start error of a distributed server, in one line."""
+
+
+@dataclass(frozen=True)
+class Ranks:
+    group: Any  # mx.distributed.Group
+    parallel: Parallelism
+
+    @property
+    def rank(self) -> int:
+        return self.group.rank()
+
+    @property
+    def size(self) -> int:
+        return self.group.size()
+
+
+def launched() -> bool:
+    """Whether `mlx.launch` started this process (it sets MLX_RANK for every rank)."""
+    return "MLX_RANK" in os.environ
+
+
+def join(parallel: Parallelism, backend: Backend = "any") -> Ranks | None:
+    """The ranks of this `mlx.launch` run; None where this process runs alone."""
+    if not launched():
+        return None
+    if not mx.distributed.is_available(backend):
+        raise DistributedError(f"this MLX build has no {backend!r} distributed backend")
+    try:
+        group = mx.distributed.init(strict=True, backend=backend)
+    except RuntimeError as exc:
+        raise DistributedError(f"cannot join the other ranks ({backend}): {' '.join(str(exc).split())}") from None
+    return Ranks(group, parallel) if group.size() > 1 else None
+
+
+def split(model: nn.Module, ranks: Ranks) -> str:
+    """Cut `model` to this rank's part, in place, before its weights are evaluated; what
+    this rank holds, in words (the load log's line)."""
+    return _tensor(model, ranks) if ranks.parallel == "tensor" else _pipeline(model, ranks)
+
+
+def _tensor(model: nn.Module, ranks: Ranks) -> str:
+    if "shard" not in type(model).__dict__:  # mlx-lm's tensor-parallel sharding, where the family has it
+        raise DistributedError(f"{type(model).__module__} has no tensor-parallel sharding in mlx-lm: "
+                               "use --pipeline")
+    args = model.args
+    for field in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
+        value = getattr(args, field, None)
+        if isinstance(value, int) and value % ranks.size:
+            raise DistributedError(f"{field} = {value} cannot be split over {ranks.size} ranks")
+    model.shard(ranks.group)
+    return f"1/{ranks.size} of every layer's heads and MLP (tensor parallel)"
+
+
+def _pipeline(model: nn.Module, ranks: Ranks) -> str:
+    body = model.model
+    layers = len(body.layers)
+    if layers < ranks.size:
+        raise DistributedError(f"{layers} layers cannot be split over {ranks.size} ranks")
+    if isinstance(body, PipelineMixin):
+        body.pipeline(ranks.group)
+        start, end = body.start_idx, body.end_idx
+    else:
+        model.model = LayerPipeline(body, ranks)
+        start, end = model.model.start, model.model.end
+    return f"layers {start}-{end - 1} of {layers} (pipeline parallel)"
+
+
+class LayerPipeline(nn.Module):
+    """A body that runs only this rank's layers (the split of mlx-lm's `PipelineMixin`:
+    rank 0 the last ones), for models whose body lacks `pipeline` and calls its layers as
+    `layer(h, mask, cache)` with `embed_tokens`, `layers` and `norm` (llama's). The other
+    ranks' layers are dropped before the weights load; `layers` keeps its length, so that
+    the model's cache has one entry per layer."""
+
+    def __init__(self, body: nn.Module, ranks: Ranks) -> None:
+        super().__init__()
+        n, size, rank = len(body.layers), ranks.size, ranks.rank
+        base, extra = divmod(n, size)
+        split = [base + (1 if r < extra else 0) for r in range(size)]
+        self.start = sum(split[rank + 1 :])
+        self.end = self.start + split[rank]
+        self.rank, self.size, self.group = rank, size, ranks.group
+        self.embed_tokens, self.norm = body.embed_tokens, body.norm
+        self.sliding_window = body.get("sliding_window")  # read by llama's make_cache
+        self.layers = [layer if self.start <= i < self.end else Elsewhere(layer.get("use_sliding", False))
+                       for i, layer in enumerate(body.layers)]
+
+    def __call__(self, inputs: mx.array, cache=None, input_embeddings: mx.array | None = None) -> mx.array:
+        h = input_embeddings if input_embeddings is not None else self.embed_tokens(inputs)
+        cache = cache if cache is not None else [None] * len(self.layers)
+        masks: dict[bool, Any] = {}  # one for full layers, one for sliding ones (llama's layer_types)
+        if self.rank < self.size - 1:  # the layers before ours ran on the next rank up
+            h = mx.distributed.recv_like(h, self.rank + 1, group=self.group)
+        for layer, c in zip(self.layers[self.start : self.end], cache[self.start : self.end]):
+            sliding = bool(layer.get("use_sliding", False))
+            if sliding not in masks:
+                masks[sliding] = create_attention_mask(h, c, window_size=self.sliding_window if sliding else None)
+            h = layer(h, masks[sliding], cache=c)
+        if self.rank != 0:
+            h = mx.distributed.send(h, self.rank - 1, group=self.group)
+            if cache[self.end - 1] is not None:  # the send runs when the cache is evaluated
+                cache[self.end - 1].keys = mx.depends(cache[self.end - 1].keys, h)
+        h = mx.distributed.all_gather(h, group=self.group)[: h.shape[0]]  # rank 0's: the last layer's
+        return self.norm(h)
+
+
+class Elsewhere(nn.Module):
+    """A layer another rank runs: no weights, only what the model reads of every layer
+    when it makes its cache (whether it is a sliding-window layer)."""
+
+    def __init__(self, use_sliding: bool) -> None:
+        super().__init__()
+        self.use_sliding = use_sliding
