@@ -116,6 +116,13 @@ def _engine_flags(p: argparse._ArgumentGroup) -> None:
     p.add_argument("--draft-model", metavar="ID",
                    help="a smaller model with the first --model's tokenizer that drafts for it (--speculate draft); "
                         "anything --model takes")
+    p.add_argument("--pipeline", action="store_true",
+                   help="under mlx.launch with several ranks: split the model's layers over them (pipeline "
+                        "parallel: it buys memory, not speed) instead of each layer's heads (tensor parallel, the "
+                        "default)")
+    p.add_argument("--rank-timeout", type=float, default=60.0, metavar="SECONDS",
+                   help="under mlx.launch: a step (or an idle tick) that takes the ranks longer than this means one "
+                        "stopped answering; its requests fail and the server exits with status 3 (default 60)")
     p.add_argument("--num-draft-tokens", type=int, default=4,
                    help="the most tokens a sequence drafts per step; the number in use adapts below it (default 4)")
 
@@ -149,9 +156,9 @@ def _cache_flags(p: argparse._ArgumentGroup) -> None:
 
 # -- checks across flags ---------------------------------------------------------------------
 
-_POSITIVE = ("ctx", "max_batch", "max_queue", "max_output_tokens", "prefill_chunk", "num_draft_tokens", "max_body_mb",
+_POSITIVE = ("rank_timeout", "ctx", "max_batch", "max_queue", "max_output_tokens", "prefill_chunk", "num_draft_tokens", "max_body_mb",
              "sse_keepalive", "memory_budget_mb", "kv_memory_mb", "kv_disk_space_mb", "kv_checkpoint_min_tokens", "kv_checkpoint_every")
-_FINITE = ("sse_keepalive", "max_body_mb", "memory_budget_mb", "kv_memory_mb", "kv_disk_space_mb")
+_FINITE = ("rank_timeout", "sse_keepalive", "max_body_mb", "memory_budget_mb", "kv_memory_mb", "kv_disk_space_mb")
 
 
 def problem(args: argparse.Namespace) -> str | None:
@@ -199,7 +206,8 @@ def _engine(args: argparse.Namespace) -> EngineSettings:
         memory_budget_bytes=None if args.memory_budget_mb is None else int(args.memory_budget_mb * MiB),
         max_loaded_models=args.max_loaded_models, keep_alive=args.keep_alive, pin=args.pin, ctx=args.ctx,
         max_batch=args.max_batch, max_queue=args.max_queue, max_output_tokens=args.max_output_tokens,
-        prefill_chunk=args.prefill_chunk, num_draft_tokens=args.num_draft_tokens,
+        prefill_chunk=args.prefill_chunk, num_draft_tokens=args.num_draft_tokens, pipeline=args.pipeline,
+        rank_timeout=args.rank_timeout,
         speculate=_speculate(args), draft_model=args.draft_model if _speculate(args) == "draft" else None)
 
 

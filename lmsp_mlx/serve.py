@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 import logging
+import math
 import os
 import signal
 import socket
@@ -30,6 +31,7 @@ accelerate()
 # The rest of the package (MLX, mlx-lm, transformers, Quart: some 3 s) is imported by
 # `build`, once the flags were read: --help and a wrong flag answer at once.
 if TYPE_CHECKING:
+    from .engine.distributed import Ranks
     from .engine.loader import LoadedModel
     from .engine.worker import Engine
     from .store import Database
@@ -83,8 +85,9 @@ class Service:
         self.db.close()
 
 
-def build(settings: Settings) -> Service:
-    """Settings -> tokens, store, state key, model, engine, app; raises StartError before serving."""
+def build(settings: Settings, ranks: Ranks | None = None) -> Service:
+    """Settings -> tokens, store, state key, model, engine, app; raises StartError before
+    serving. With `ranks` this is rank 0 of a model split over them (`join_ranks`)."""
     from .engine.loader import backend_name
     from .service.auth import Tokens, TokensError
     from .service.lifecycle import open_state
@@ -107,7 +110,7 @@ def build(settings: Settings) -> Service:
     except (StoreError, StateKeyError) as exc:
         raise StartError(str(exc)) from None
     try:
-        engine, lm = _start_engine(settings.engine, settings.cache)
+        engine, lm = _start_engine(settings.engine, settings.cache, ranks)
     except StartError:
         db.close()
         raise
@@ -123,9 +126,49 @@ def build(settings: Settings) -> Service:
     return Service(create_app(state), engine, db, server.host, server.port)
 
 
-def _start_engine(settings: EngineSettings, cache: CacheSettings) -> tuple[Engine, LoadedModel]:
+def join_ranks(settings: Settings) -> tuple[Settings, Ranks | None]:
+    """Where `mlx.launch` started this process: the ranks it is one of, and the settings a
+    model split over them runs with (one --model, kept loaded, nothing loaded on demand,
+    no KV checkpoints on disk yet); else (settings, None). Raises StartError."""
+    from .engine.distributed import DistributedError, join, launched
+
+    if not launched():
+        return settings, None
+    engine = settings.engine
+    if len(engine.models) > 1:
+        raise StartError("a model split over ranks is served alone: give one --model")
+    if engine.draft_model is not None:
+        raise StartError("--draft-model is not served across ranks")
+    try:
+        ranks = join("pipeline" if engine.pipeline else "tensor")
+    except DistributedError as exc:
+        raise StartError(str(exc)) from None
+    if ranks is None:
+        return settings, None
+    log.info("rank %d of %d (%s parallel)%s", ranks.rank, ranks.size, ranks.parallel,
+             "" if ranks.rank else ": serving HTTP")
+    if settings.cache.disk_dir is not None:
+        log.info("KV checkpoints on disk are off across ranks (each rank's shard under one key is not built yet)")
+    return replace(settings, engine=replace(engine, pin=True, keep_alive=math.inf),
+                   cache=replace(settings.cache, disk_dir=None)), ranks
+
+
+def follow(settings: Settings, ranks: Ranks) -> int:
+    """A rank other than 0: load its part of the model and step with rank 0's worker until
+    it stops; 3 where the ranks lost each other."""
+    from .engine.loader import backend_name
+
+    engine, _ = _start_engine(settings.engine.for_backend(backend_name()), settings.cache, ranks)
+    log.info("rank %d: following rank 0's steps", ranks.rank)
+    engine.wait()
+    return 3 if engine.lost else 0
+
+
+def _start_engine(settings: EngineSettings, cache: CacheSettings,
+                  ranks: Ranks | None = None) -> tuple[Engine, LoadedModel]:
     from .engine import hub
     from .engine.catalog import Catalog
+    from .engine.lockstep import Lockstep
     from .engine.loader import LoadOptions, ModelLoadError, check_model_dir
     from .engine.model_store import DEFAULT_MODEL, ModelStoreError, default_models_dir, ensure_packaged_model
     from .engine.slot import ModelSpec
@@ -144,7 +187,7 @@ def _start_engine(settings: EngineSettings, cache: CacheSettings) -> tuple[Engin
             check_model_dir(path)  # every named model is checked now, not at its first request
             first = i == 0
             options = LoadOptions(settings.chat_template if first else None, settings.chat_template_args,
-                                  settings.adapter_path if first else None, budget)
+                                  settings.adapter_path if first else None, budget, ranks if first else None)
             model_id = (settings.model_id if first else None) or named or path.name
             if any(s.id == model_id for s in specs):
                 raise StartError(f"two --model flags name the id {model_id!r}")
@@ -153,12 +196,12 @@ def _start_engine(settings: EngineSettings, cache: CacheSettings) -> tuple[Engin
                 draft, _ = _model_path(settings.draft_model, store)
                 check_model_dir(draft)
             specs.append(ModelSpec(model_id, path, options, pinned=settings.pin, draft=draft))
-        catalog = Catalog(specs, store, shared, aliases=settings.model_aliases)
+        catalog = Catalog(specs, store, shared, aliases=settings.model_aliases, named_only=ranks is not None)
         for pattern, target in settings.model_aliases:
             if catalog.find(target) is None:
                 raise StartError(f"--model-alias {pattern}={target}: no model {target!r} is served here "
                                  "(a --model id, or a name `python -m lmsp_mlx.models list` shows)")
-        engine = Engine(catalog, settings, cache)
+        engine = Engine(catalog, settings, cache, Lockstep(ranks) if ranks is not None else None)
         lm = engine.start()
     except (ModelStoreError, ModelLoadError, hub.HubError) as exc:
         raise StartError(str(exc)) from None
@@ -206,9 +249,12 @@ async def serve(service: Service, stop: asyncio.Event) -> None:
         engine.cancel_all()
         # A decode step ends within this with the real usage; a long prefill chunk would
         # hold its stream past the grace period, so streams end as cancelled now and the
-        # worker finishes its step (and checkpoints) while Hypercorn closes.
-        for _ in range(20):
-            if not engine.busy:
+        # worker finishes its step (and checkpoints) while Hypercorn closes. Across ranks
+        # the worker is given until --rank-timeout: mlx.launch stops every rank when one
+        # dies, and the running requests should end as the worker ends them (failed, the
+        # ranks lost), not as a shutdown.
+        for _ in range(int(engine.settle_seconds / 0.05)):
+            if not engine.busy or engine.lost:
                 break
             await asyncio.sleep(0.05)
         engine.abandon_all()
@@ -230,6 +276,13 @@ async def _serve_until_signalled(service: Service) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, on_signal)
+    def on_lost() -> None:  # the model's ranks lost each other: stop, then exit 3
+        try:
+            loop.call_soon_threadsafe(stop.set)
+        except RuntimeError:  # the loop has closed: serving already stopped
+            pass
+
+    service.engine.on_lost = on_lost
     await serve(service, stop)
 
 
@@ -242,7 +295,10 @@ def main(argv: list[str] | None = None) -> int:
     settings = flags.parse(argv)
     logging.basicConfig(level=settings.server.log_level.upper(), format=LOG_FORMAT, stream=sys.stderr)
     try:
-        service = build(settings)
+        settings, ranks = join_ranks(settings)
+        if ranks is not None and ranks.rank > 0:
+            return follow(settings, ranks)
+        service = build(settings, ranks)
     except StartError as exc:
         print(f"{ERROR} {exc}", file=sys.stderr)
         return 2
@@ -253,6 +309,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     finally:
         service.close()
+    if service.engine.lost:
+        print(f"{ERROR} lost the other ranks: {service.engine.lost}", file=sys.stderr)
+        return 3
     return 0
 
 

@@ -69,6 +69,8 @@ class EngineSettings:
     speculate: SpeculateMode = "ngram"  # --speculate: how sequences draft tokens a step verifies (engine/speculate.py)
     num_draft_tokens: int = 4  # the most a sequence drafts per step; the number in use adapts below it
     draft_model: str | None = None  # --draft-model: what drafts for the first --model under --speculate draft
+    rank_timeout: float = 60.0  # --rank-timeout: seconds without a step together before the ranks count as lost
+    pipeline: bool = False  # --pipeline: under mlx.launch, split the layers over the ranks (else each layer's heads)
 
     def for_backend(self, backend: Backend) -> EngineSettings:
         """These settings with the sizes left to the backend filled in: a CPU step is slow,

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -120,17 +121,19 @@ class _LogFile:
 
 
 class ProcessServer(_LogFile):
-    """`python -m lmsp_mlx.serve ARGS` in a subprocess, its log in a file."""
+    """`python -m lmsp_mlx.serve ARGS` in a subprocess (in a session of its own), its log in
+    a file; `launcher` goes before it (`mlx.launch -n 2 ... --`)."""
 
-    def __init__(self, args: list[str], log_path: Path, env: dict | None = None) -> None:
+    def __init__(self, args: list[str], log_path: Path, env: dict | None = None, launcher: list[str] = ()) -> None:
         super().__init__(log_path)
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.args = private_args(args, log_path.parent)
         self._log = open(log_path, "w")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "lmsp_mlx.serve", "--port", str(self.port), *self.args],
+            [*launcher, sys.executable, "-m", "lmsp_mlx.serve", "--port", str(self.port), *self.args],
             cwd=ROOT, stdout=self._log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})},
+            start_new_session=bool(launcher),
         )
 
     def wait_ready(self, timeout: float = 600) -> "ProcessServer":
@@ -152,6 +155,11 @@ class ProcessServer(_LogFile):
             self.proc.wait(timeout=20)
         except subprocess.TimeoutExpired:
             self.proc.kill()
+        if self.proc.pid and self.proc.args[0] != sys.executable:  # a launcher's ranks: its whole session
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
         self._log.close()
 
 

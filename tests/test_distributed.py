@@ -11,12 +11,17 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
+from tests.helpers import HTTP
+from tests.servers import ProcessServer
 from tests.tiny_model import build_tiny_family_model
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -56,3 +61,108 @@ def test_tensor_parallel_gives_one_process_tokens_within_rounding(family_model):
     alone, split = probe(family_model, "none"), probe(family_model, "tensor")
     assert split["tokens"] == alone["tokens"]
     assert max(abs(a - b) for a, b in zip(alone["first"], split["first"])) < 1e-4
+
+
+# -- the server across two ranks ------------------------------------------------------------------
+
+
+def launched(model: Path, where: Path, *args: str, ranks: int = 2) -> ProcessServer:
+    """`mlx.launch -n 2 --backend ring -- python -m lmsp_mlx.serve --model MODEL ARGS` (ranks=1:
+    the same server alone), every rank on the MLX runner."""
+    launcher = []
+    if ranks > 1:
+        launcher = [str(Path(sys.executable).parent / "mlx.launch"), "-n", str(ranks), "--backend", "ring",
+                    *(f"--env={k}={v}" for k, v in MLX_RUNNER.items()), f"--env=PYTHONPATH={ROOT}", "--"]
+    where.mkdir(parents=True, exist_ok=True)
+    return ProcessServer(["--model", str(model), "--model-id", "m", "--no-kv-disk", *args], where / "server.log",
+                         env={**MLX_RUNNER, "PYTHONPATH": str(ROOT)}, launcher=launcher).wait_ready(180)
+
+
+def rank_pid(port: int, rank: int) -> int:
+    """The process of `rank` among the ranks serving on `port` (mlx.launch sets MLX_RANK)."""
+    for entry in Path("/proc").iterdir():
+        try:
+            cmdline = (entry / "cmdline").read_bytes().split(b"\0")
+            env = (entry / "environ").read_bytes().split(b"\0")
+        except (OSError, ValueError):
+            continue
+        if b"lmsp_mlx.serve" in cmdline and str(port).encode() in cmdline and f"MLX_RANK={rank}".encode() in env:
+            return int(entry.name)
+    raise AssertionError(f"no rank {rank} serving on port {port}")
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory) -> Path:
+    return build_tiny_family_model(tmp_path_factory.mktemp("llama") / "llama", "llama")
+
+
+@pytest.fixture(scope="module")
+def pair(llama, tmp_path_factory):
+    """The tiny llama pipeline-parallel over two ranks, and alone."""
+    folder = tmp_path_factory.mktemp("pair")
+    split, alone = launched(llama, folder / "split", "--pipeline"), launched(llama, folder / "alone", ranks=1)
+    yield split, alone
+    split.stop()
+    alone.stop()
+
+
+def complete(server, prompt: list[int], max_tokens: int) -> str:
+    r = HTTP.post(server.url + "/v1/completions", timeout=120, json={
+        "model": "m", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True})
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]["text"]
+
+
+def test_four_concurrent_streams_over_two_ranks_get_what_one_process_gives(pair):
+    split, alone = pair
+    prompts = [[(at + 7 * i) % 250 + 5 for i in range(n)] for n, at in ((40, 3), (9, 11), (23, 17), (61, 5))]
+    expected = [complete(alone, p, 40) for p in prompts]
+    with ThreadPoolExecutor(4) as pool:
+        got = list(pool.map(lambda p: complete(split, p, 40), prompts))
+    assert got == expected
+    log = split.log()
+    assert "rank 0 of 2 holds layers 2-3 of 4 (pipeline parallel)" in log
+    assert "rank 1 of 2 holds layers 0-1 of 4 (pipeline parallel)" in log
+    assert "lost the other ranks" not in log
+    assert "lmsp_distributed_ranks 2" in HTTP.get(split.url + "/metrics").text.splitlines()
+
+
+def test_stored_responses_and_their_continuation_work_over_two_ranks(pair):
+    split, alone = pair
+
+    def turn(server, **body) -> dict:
+        r = HTTP.post(server.url + "/v1/responses", timeout=120, json={
+            "model": "m", "max_output_tokens": 12, "temperature": 0, "store": True, **body})
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    texts = []
+    for server in (split, alone):
+        first = turn(server, input="Hello there, how are you?")
+        again = HTTP.get(f"{server.url}/v1/responses/{first['id']}", timeout=30).json()
+        assert again["status"] == first["status"] == "incomplete" and again["output"] == first["output"]
+        second = turn(server, input="And then?", previous_response_id=first["id"])
+        texts.append([item["content"] for r in (first, second) for item in r["output"] if item["type"] == "message"])
+    assert texts[0] == texts[1] and texts[0]
+
+
+def test_a_rank_killed_mid_stream_fails_the_stream_and_rank_0_exits(llama, tmp_path):
+    server = launched(llama, tmp_path / "killed", "--rank-timeout", "5")
+    try:
+        with HTTP.stream("POST", server.url + "/v1/responses", timeout=60, json={
+                "model": "m", "input": "Hello", "max_output_tokens": 5000, "temperature": 0, "stream": True,
+                "store": True}) as r:
+            assert r.status_code == 200
+            events, killed_at = [], None
+            for line in r.iter_lines():
+                if line.startswith("event:"):
+                    events.append(line.split(":", 1)[1].strip())
+                    if events[-1] == "response.output_text.delta" and killed_at is None:
+                        os.kill(rank_pid(server.port, 1), signal.SIGKILL)
+                        killed_at = time.monotonic()
+        assert events[-1] == "response.failed", events[-5:]
+        assert time.monotonic() - killed_at < 15
+        assert server.proc.wait(timeout=30) is not None
+        assert "lost the other ranks" in server.log()
+    finally:
+        server.stop()

@@ -116,8 +116,10 @@ class Catalog:
     """Every model the server can serve, by id: the ones named on the command line (the
     first is the default), then the model store's, then the Hugging Face cache's."""
 
-    def __init__(self, named: list, models_dir: Path, options, aliases: tuple[tuple[str, str], ...] = ()) -> None:
+    def __init__(self, named: list, models_dir: Path, options, aliases: tuple[tuple[str, str], ...] = (),
+                 named_only: bool = False) -> None:
         self.named = named  # ModelSpecs of --model
+        self.named_only = named_only  # the --model models alone (a model split over ranks: nothing loads on demand)
         self.models_dir = models_dir
         self.options = options  # LoadOptions for the models found here (no adapter: that is a --model's)
         self.aliases = aliases  # --model-alias: (glob pattern, served id), the first match wins
@@ -144,6 +146,8 @@ class Catalog:
 
     def listed(self) -> list[Listed]:
         """The store's and the hub cache's models that no --model already names."""
+        if self.named_only:
+            return []
         named = {s.id for s in self.named} | {s.path.resolve() for s in self.named}
         try:
             found = store_models(self.models_dir) + hub_models()

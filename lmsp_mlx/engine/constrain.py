@@ -44,6 +44,7 @@ def lark_literal(text: str) -> str:
 class Constraint:
     def __init__(self, tokenizer, grammar: str) -> None:
         """`grammar`: Lark text, or llguidance's JSON form with several grammars."""
+        self.grammar = grammar  # what another rank builds the same constraint from (engine/lockstep.py)
         try:
             self.matcher = llguidance.LLMatcher(ll_tokenizer(tokenizer), grammar)
         except Exception as exc:

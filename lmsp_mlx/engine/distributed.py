@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import os
+import pickle
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -72,6 +73,27 @@ def join(parallel: Parallelism, backend: Backend = "any") -> Ranks | None:
     return Ranks(group, parallel) if group.size() > 1 else None
 
 
+def share(obj: Any, ranks: Ranks) -> Any:
+    """Rank 0's `obj` on every rank: its pickle, summed over the ranks (the others add
+    zeros). Every rank must call it at the same point; the others' `obj` is ignored. The
+    ranks are one program launched together, so their pickles are trusted."""
+    if ranks.rank == 0:
+        data = mx.array(memoryview(pickle.dumps(obj)), dtype=mx.uint8)
+        mx.eval(mx.distributed.all_sum(mx.array([data.size]), group=ranks.group, stream=mx.cpu))
+        mx.eval(mx.distributed.all_sum(data, group=ranks.group, stream=mx.cpu))
+        return obj
+    size = mx.distributed.all_sum(mx.array([0]), group=ranks.group, stream=mx.cpu).item()
+    data = mx.distributed.all_sum(mx.zeros(size, dtype=mx.uint8), group=ranks.group, stream=mx.cpu)
+    return pickle.loads(bytes(memoryview(data)))
+
+
+def same_random_state(ranks: Ranks) -> None:
+    """Seed every rank's MLX random state alike, so that unseeded sampling draws the same
+    tokens on every rank (each samples from the same logits)."""
+    seed = mx.distributed.all_sum(mx.random.state[0], group=ranks.group, stream=mx.cpu).view(mx.uint64)
+    mx.random.seed(int(seed[0].item()))
+
+
 def split(model: nn.Module, ranks: Ranks) -> str:
     """Cut `model` to this rank's part, in place, before its weights are evaluated; what
     this rank holds, in words (the load log's line)."""
@@ -109,8 +131,9 @@ class LayerPipeline(nn.Module):
     """A body that runs only this rank's layers (the split of mlx-lm's `PipelineMixin`:
     rank 0 the last ones), for models whose body lacks `pipeline` and calls its layers as
     `layer(h, mask, cache)` with `embed_tokens`, `layers` and `norm` (llama's). The other
-    ranks' layers are dropped before the weights load; `layers` keeps its length, so that
-    the model's cache has one entry per layer."""
+    ranks' layers are dropped before their weights are read. `layers` is this rank's alone,
+    so the model's cache has an entry for each layer it runs, as mlx-lm's pipelined models'
+    caches do (their `layers` is `pipeline_layers`): every cache of the batch holds rows."""
 
     def __init__(self, body: nn.Module, ranks: Ranks) -> None:
         super().__init__()
@@ -122,32 +145,23 @@ class LayerPipeline(nn.Module):
         self.rank, self.size, self.group = rank, size, ranks.group
         self.embed_tokens, self.norm = body.embed_tokens, body.norm
         self.sliding_window = body.get("sliding_window")  # read by llama's make_cache
-        self.layers = [layer if self.start <= i < self.end else Elsewhere(layer.get("use_sliding", False))
-                       for i, layer in enumerate(body.layers)]
+        self.layers = body.layers[self.start : self.end]
 
     def __call__(self, inputs: mx.array, cache=None, input_embeddings: mx.array | None = None) -> mx.array:
         h = input_embeddings if input_embeddings is not None else self.embed_tokens(inputs)
-        cache = cache if cache is not None else [None] * len(self.layers)
+        cache = cache if cache is not None else [None] * len(self.layers)  # this rank's layers' caches
         masks: dict[bool, Any] = {}  # one for full layers, one for sliding ones (llama's layer_types)
         if self.rank < self.size - 1:  # the layers before ours ran on the next rank up
             h = mx.distributed.recv_like(h, self.rank + 1, group=self.group)
-        for layer, c in zip(self.layers[self.start : self.end], cache[self.start : self.end]):
+        for layer, c in zip(self.layers, cache):
             sliding = bool(layer.get("use_sliding", False))
             if sliding not in masks:
                 masks[sliding] = create_attention_mask(h, c, window_size=self.sliding_window if sliding else None)
             h = layer(h, masks[sliding], cache=c)
         if self.rank != 0:
             h = mx.distributed.send(h, self.rank - 1, group=self.group)
-            if cache[self.end - 1] is not None:  # the send runs when the cache is evaluated
-                cache[self.end - 1].keys = mx.depends(cache[self.end - 1].keys, h)
+            if cache[-1] is not None:  # the send runs when the cache is evaluated
+                cache[-1].keys = mx.depends(cache[-1].keys, h)
         h = mx.distributed.all_gather(h, group=self.group)[: h.shape[0]]  # rank 0's: the last layer's
         return self.norm(h)
 
-
-class Elsewhere(nn.Module):
-    """A layer another rank runs: no weights, only what the model reads of every layer
-    when it makes its cache (whether it is a sliding-window layer)."""
-
-    def __init__(self, use_sliding: bool) -> None:
-        super().__init__()
-        self.use_sliding = use_sliding

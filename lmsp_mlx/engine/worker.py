@@ -24,6 +24,7 @@ import queue
 import threading
 import time
 from dataclasses import dataclass, field, replace
+from typing import Callable
 
 import mlx.core as mx
 
@@ -41,6 +42,8 @@ from ..settings import CacheSettings, EngineSettings, SpeculateMode
 from .footprint import budget_bytes
 from .slot import ModelSlot, ModelSpec, SlotState, close_slot, footprint, open_slot
 from .sequence import Phase, Sequence
+from .constrain import Constraint
+from .lockstep import JobSpec, Lockstep, Tick, spec_of
 from .speculate import DraftModel, Drafting
 from .turn import Conversation, TurnOutput
 
@@ -62,7 +65,7 @@ class QueueFull(Exception):
 class Job:
     params: GenerationParams
     route: Route
-    loop: asyncio.AbstractEventLoop
+    loop: asyncio.AbstractEventLoop | None  # None: a mirror of rank 0's job on another rank (its events go nowhere)
     slot: ModelSlot  # the model it runs on, leased by its run until it ended
     text: str = ""  # the rendered prompt: what text-prefix lookups compare
     visible: str | None = None  # the prompt as a visible-only replay renders, where `text` reveals hidden reasoning
@@ -74,11 +77,14 @@ class Job:
     # reader of that event sees it): what Anthropic's message_start reports.
     cached: int | None = None
     ended: bool = False  # its ending event is out (from the worker, or abandon())
+    id: int = 0  # under lockstep (engine/lockstep.py): its number on every rank
     _cancel: threading.Event = field(default_factory=threading.Event)
 
     def emit(self, event: GenerationEvent) -> None:
         if isinstance(event, (Finished, Failed)):
             self.ended = True
+        if self.loop is None:
+            return
         try:
             self.loop.call_soon_threadsafe(self.events.put_nowait, event)
         except RuntimeError:  # the event loop has closed: nobody is listening any more
@@ -164,14 +170,18 @@ class EngineSnapshot:
     kv_bytes: int
     mlx_active_bytes: int
     mlx_cache_bytes: int
+    ranks: int = 1  # the processes the model is split over (engine/distributed.py); this one is rank 0
 
 
 _WAKE = object()  # in the job queue: the worker has control work (an unload), not a job
+IDLE_TICK = 1.0  # seconds rank 0's idle worker waits for a job before it ticks the other ranks anyway
 
 
 class Engine:
-    def __init__(self, catalog: Catalog, settings: EngineSettings, cache: CacheSettings = CacheSettings()):
-        """`settings` has its backend's sizes filled in (EngineSettings.for_backend)."""
+    def __init__(self, catalog: Catalog, settings: EngineSettings, cache: CacheSettings = CacheSettings(),
+                 lockstep: Lockstep | None = None):
+        """`settings` has its backend's sizes filled in (EngineSettings.for_backend). With
+        `lockstep`, the model is split over ranks and this worker steps with theirs."""
         assert settings.max_batch is not None, "EngineSettings.for_backend fills max_batch in"
         self.catalog = catalog
         self.settings = settings
@@ -186,6 +196,12 @@ class Engine:
         self._active: list[Running] = []  # the worker thread's; others only read a copy
         self._job_seconds = 1.0  # a moving average of the time a job holds the worker (for Retry-After)
         self._trim_heap = HeapTrimmer()  # after sequences end: see engine/memory.py
+        self._lockstep = lockstep
+        self._agreed_cancels: set[int] = set()  # under lockstep: the job ids this step ends cancelled
+        self.lost: str | None = None  # under lockstep: why the ranks can no longer step together
+        self.on_lost: Callable[[], None] | None = None  # called once `lost` is set: serve.py exits
+        self._beat = time.monotonic()  # under lockstep: when the worker last began a step (the watchdog reads it)
+        self._ended = threading.Event()  # the worker returned, or the ranks were lost
         self._thread = threading.Thread(target=self._run, name="lmsp-worker", daemon=True)
 
     def start(self) -> LoadedModel:
@@ -274,12 +290,13 @@ class Engine:
             job.abandon()
 
     def stop(self) -> None:
-        """Cancel everything and end the worker thread."""
-        if not self._thread.is_alive():
+        """Cancel everything and end the worker thread (not where the ranks were lost: it may
+        be blocked in a collective for ever, and the process exits around it)."""
+        if not self._thread.is_alive() or self.lost is not None:
             return
         self.cancel_all()
         self._jobs.put(None)
-        self._thread.join(timeout=300)  # it checkpoints the resident sessions before ending
+        self._ended.wait(timeout=300)  # it checkpoints the resident sessions before ending (or the ranks are lost)
 
     def withdraw(self, job: Job) -> bool:
         """End a cancelled job that is still waiting now, off the queue, so its client hears
@@ -315,7 +332,13 @@ class Engine:
                 output_tokens=c.output_tokens, lookups=dict(c.lookups), live_continuations=c.live_continuations,
                 drafted=dict(c.drafted), accepted=dict(c.accepted),
                 kv_sessions=c.kv_sessions, kv_bytes=c.kv_bytes, mlx_active_bytes=mx.get_active_memory(),
-                mlx_cache_bytes=mx.get_cache_memory())
+                mlx_cache_bytes=mx.get_cache_memory(),
+                ranks=self._lockstep.ranks.size if self._lockstep is not None else 1)
+
+    @property
+    def settle_seconds(self) -> float:
+        """How long a shutdown waits for the running steps to end on their own."""
+        return self.settings.rank_timeout + 2 if self._lockstep is not None else 1.0
 
     @property
     def busy(self) -> bool:
@@ -345,16 +368,26 @@ class Engine:
         return job
 
     def _run(self) -> None:
+        try:
+            self._loop()
+        finally:
+            self._ended.set()
+
+    def _loop(self) -> None:
         stopping = False
+        if self._lockstep is not None:
+            threading.Thread(target=self._watch, name="lmsp-rank-watchdog", daemon=True).start()
         while not (stopping and not self._active):
+            self._beat = time.monotonic()
             self._unload_retired()
-            if not self._active and not stopping:  # idle: wait for work
-                stopping = not self._admit(self._jobs.get())
-            while not stopping and len(self._active) < self.max_batch:  # joins at this step boundary
+            if self._lockstep is None:
+                stopping = self._join_waiting(stopping)
+            else:
                 try:
-                    stopping = not self._admit(self._jobs.get_nowait())
-                except queue.Empty:
-                    break
+                    stopping = self._join_agreed(stopping)
+                except Exception as exc:  # a rank died or stopped answering: nothing can step any more
+                    self._lose_ranks(exc)
+                    return
             try:
                 self._step()
             except Exception as exc:  # a bug must fail the requests it touched, never the worker
@@ -364,6 +397,100 @@ class Engine:
         for slot in list(self.models.slots.values()):
             if slot.pool is not None:
                 slot.pool.close()  # checkpoints the resident sessions
+
+    def wait(self) -> None:
+        """Until the worker ends (a rank other than 0 follows rank 0's stop) or the ranks are lost."""
+        self._ended.wait()
+
+    def _watch(self) -> None:
+        """Under lockstep: a step (its collectives included) or a wait for rank 0's tick that
+        takes longer than --rank-timeout means a rank stopped answering; a collective over a
+        lost connection can block for ever instead of failing."""
+        timeout = self.settings.rank_timeout
+        while not self._ended.wait(1.0):
+            if time.monotonic() - self._beat > timeout:
+                self._lose_ranks(TimeoutError(f"no step together for {timeout:g} s (--rank-timeout)"))
+                return
+
+    def _join_waiting(self, stopping: bool) -> bool:
+        """The waiting jobs join at this step boundary (blocking while idle); True once the stop sign came."""
+        if not self._active and not stopping:  # idle: wait for work
+            stopping = not self._admit(self._jobs.get())
+        while not stopping and len(self._active) < self.max_batch:
+            try:
+                stopping = not self._admit(self._jobs.get_nowait())
+            except queue.Empty:
+                break
+        return stopping
+
+    def _join_agreed(self, stopping: bool) -> bool:
+        """Under lockstep: rank 0 takes the waiting jobs as `_join_waiting` does (idle, it
+        waits at most IDLE_TICK, so that a lost rank shows while nothing runs) and shares
+        them with the runs that end cancelled now; every rank then admits the same jobs."""
+        lockstep = self._lockstep
+        tick, joined = None, []
+        if lockstep.leads:
+            waiting: list[Job | None] = []
+            if not self._active and not stopping:
+                try:
+                    waiting.append(self._jobs.get(timeout=IDLE_TICK))
+                except queue.Empty:
+                    pass
+            while not stopping and len(self._active) + len(waiting) < self.max_batch:
+                try:
+                    waiting.append(self._jobs.get_nowait())
+                except queue.Empty:
+                    break
+            for job in waiting:
+                if job is None:
+                    stopping = True
+                elif job is not _WAKE and job.cancelled:  # it never started: rank 0 ends it alone
+                    job.started = True
+                    self._end_unstarted(job)
+                elif job is not _WAKE:
+                    job.id = lockstep.next_id()
+                    joined.append(job)
+            tick = Tick([spec_of(j.id, j.slot.id, j.params, j.route, j.text, j.visible, j.keep_history, j.conv)
+                         for j in joined], [r.job.id for r in self._active if r.job.cancelled], stopping)
+        tick = lockstep.agree(tick)
+        if not lockstep.leads:
+            joined = [self._mirror(spec) for spec in tick.joined]
+        self._agreed_cancels = set(tick.cancelled)
+        for job in joined:
+            self._admit(job)
+        return tick.stop
+
+    def _mirror(self, spec: JobSpec) -> Job:
+        """Rank 0's job on this rank: the same work, its events dropped."""
+        slot = self.models.slots[spec.model]
+        params = spec.params
+        if spec.grammar is not None:
+            params = replace(params, constraint=Constraint(slot.lm.tokenizer, spec.grammar))
+        return Job(params=params, route=spec.route, loop=None, slot=slot, text=spec.text, visible=spec.visible,
+                   keep_history=spec.keep_history, conv=spec.conv, id=spec.id)
+
+    def _lose_ranks(self, exc: Exception) -> None:
+        """The ranks lost each other: every request here fails now, and the process is
+        told to exit (`lost`), so that a supervisor starts all ranks again."""
+        if self.lost is not None:
+            return
+        self.lost = f"{type(exc).__name__}: {' '.join(str(exc).split())}"
+        log.error("lost the other ranks (%s): failing %d running and the waiting requests, exiting",
+                  self.lost, len(self._active))
+        failure = Failed(f"the model's ranks stopped answering each other ({self.lost})", code="internal_error")
+        for run in list(self._active):
+            run.job.emit(failure)
+        self._active.clear()
+        while True:
+            try:
+                job = self._jobs.get_nowait()
+            except queue.Empty:
+                break
+            if isinstance(job, Job):
+                job.emit(failure)
+        self._ended.set()
+        if self.on_lost is not None:
+            self.on_lost()
 
     def _unload_retired(self) -> None:
         """Unloads the event loop asked for (ModelSet), of models none of whose jobs runs or waits."""
@@ -390,11 +517,16 @@ class Engine:
     def _step(self) -> None:
         """Drop the sequences whose clients left, run one prompt chunk, then one decode step
         for every sequence that waits for a token."""
-        for run in [r for r in self._active if r.job.cancelled]:
+        for run in [r for r in self._active if self._ends_cancelled(r.job)]:
             self._end(run, run.seq.cancel())
         # A batch holds one model's sequences: each model's gets its step in turn.
         for slot in dict.fromkeys(r.job.slot for r in self._active):
             self._step_model(slot, [r for r in self._active if r.job.slot is slot])
+
+    def _ends_cancelled(self, job: Job) -> bool:
+        """Whether `job`'s run ends cancelled at this step: its client left (under lockstep:
+        rank 0 said so in this step's tick, the same step on every rank)."""
+        return job.id in self._agreed_cancels if self._lockstep is not None else job.cancelled
 
     def _step_model(self, slot: ModelSlot, runs: list[Running]) -> None:
         chunk = min(r.job.params.prefill_step for r in runs)
@@ -442,10 +574,8 @@ class Engine:
     def _begin(self, job: Job) -> Running | None:
         lm, pool = job.slot.lm, job.slot.pool
         assert lm is not None and pool is not None
-        if job.cancelled:
-            n = len(job.params.prompt)
-            job.emit(Finished("cancelled", Usage(n, 0)))
-            self._log(job, lm, "cancelled", Usage(n, 0), 0.0, 0.0, f" prefilled=0/{n}")
+        if job.cancelled and self._lockstep is None:  # under lockstep rank 0 ended these before its tick
+            self._end_unstarted(job)
             return None
         label = f"tool-output ids={len(job.conv.live_calls)}" if job.conv and job.conv.live_calls else None
         start = pool.start(job.text, job.params.prompt, limit=lm.context_length - 1, label=label, visible=job.visible,
@@ -486,6 +616,12 @@ class Engine:
             pool.abandon(start)
             raise
         return Running(job, start, seq, turn, time.monotonic())
+
+    def _end_unstarted(self, job: Job) -> None:
+        """A job cancelled before it started: it ends with nothing prefilled."""
+        n = len(job.params.prompt)
+        job.emit(Finished("cancelled", Usage(n, 0)))
+        self._log(job, job.slot.lm, "cancelled", Usage(n, 0), 0.0, 0.0, f" prefilled=0/{n}")
 
     def _drafting(self, params: GenerationParams, draft: LoadedModel | None) -> Drafting | None:
         """The sequence's speculation: --speculate's drafter, unless the request turned it off.

@@ -34,6 +34,7 @@ def render(snap: EngineSnapshot, http_statuses: Mapping[int, int]) -> str:
         *_gauge("lmsp_busy", int(snap.busy)),
         *_gauge("lmsp_batch_sequences", snap.batch_sequences),
         *_gauge("lmsp_batch_max", snap.batch_max),
+        *_gauge("lmsp_distributed_ranks", snap.ranks),
         *_gauge("lmsp_models_loaded", snap.models_loaded),
         *_labelled("lmsp_requests_total", "status", snap.requests.items()),
         *_counter("lmsp_prompt_tokens_total", snap.prompt_tokens),
