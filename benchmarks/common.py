@@ -290,8 +290,8 @@ def start(cmd: list[str], url: str, log: Path, *, ready: str = "/v1/models", tim
     `timeout` seconds, ends the run with the log's tail."""
     import httpx
 
-    with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
+    with open(log, "w") as out:  # a session of its own: stop() reaches what it starts (mlx.launch's ranks)
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
@@ -306,14 +306,23 @@ def start(cmd: list[str], url: str, log: Path, *, ready: str = "/v1/models", tim
 
 
 def stop(proc: subprocess.Popen, *, sig: int = signal.SIGTERM, grace: float = 60) -> int | str:
-    """Sends `sig`, waits up to `grace` seconds, then kills: the exit code, or what a kill
-    ended with."""
-    proc.send_signal(sig)
+    """Sends `sig` to the process and everything it started, waits up to `grace` seconds,
+    then kills them all: the exit code, or what a kill ended with."""
+    _signal_group(proc, sig)
     try:
-        return proc.wait(timeout=grace)
+        code: int | str = proc.wait(timeout=grace)
     except subprocess.TimeoutExpired:
-        proc.kill()
-        return f"killed after {grace:g} s ({proc.wait()})"
+        code = f"killed after {grace:g} s"
+    _signal_group(proc, signal.SIGKILL)  # what outlived it (mlx.launch leaves its ranks running)
+    proc.wait()
+    return code
+
+
+def _signal_group(proc: subprocess.Popen, sig: int) -> None:
+    try:
+        os.killpg(proc.pid, sig)
+    except ProcessLookupError:
+        pass
 
 
 @dataclass(frozen=True)

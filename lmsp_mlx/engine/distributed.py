@@ -75,14 +75,20 @@ def join(parallel: Parallelism, backend: Backend = "any") -> Ranks | None:
 
 def share(obj: Any, ranks: Ranks) -> Any:
     """Rank 0's `obj` on every rank: its pickle, summed over the ranks (the others add
-    zeros). Every rank must call it at the same point; the others' `obj` is ignored. The
-    ranks are one program launched together, so their pickles are trusted."""
+    zeros). Every rank must call it at the same point; the others' `obj` is ignored. None
+    costs one collective (its size, 0), anything else two. The ranks are one program
+    launched together, so their pickles are trusted."""
     if ranks.rank == 0:
+        if obj is None:
+            mx.eval(mx.distributed.all_sum(mx.array([0]), group=ranks.group, stream=mx.cpu))
+            return None
         data = mx.array(memoryview(pickle.dumps(obj)), dtype=mx.uint8)
         mx.eval(mx.distributed.all_sum(mx.array([data.size]), group=ranks.group, stream=mx.cpu))
         mx.eval(mx.distributed.all_sum(data, group=ranks.group, stream=mx.cpu))
         return obj
     size = mx.distributed.all_sum(mx.array([0]), group=ranks.group, stream=mx.cpu).item()
+    if size == 0:
+        return None
     data = mx.distributed.all_sum(mx.zeros(size, dtype=mx.uint8), group=ranks.group, stream=mx.cpu)
     return pickle.loads(bytes(memoryview(data)))
 

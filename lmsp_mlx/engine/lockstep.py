@@ -68,7 +68,8 @@ class Lockstep:
         if not self._seeded:
             same_random_state(self.ranks)
             self._seeded = True
-        return share(tick, self.ranks)
+        quiet = tick is not None and not (tick.joined or tick.cancelled or tick.stop)
+        return share(None if quiet else tick, self.ranks) or Tick()  # most steps: one collective of 0
 
 
 def spec_of(job_id: int, model: str, params: GenerationParams, route: str, text: str, visible: str | None,

@@ -174,7 +174,10 @@ class EngineSnapshot:
 
 
 _WAKE = object()  # in the job queue: the worker has control work (an unload), not a job
-IDLE_TICK = 1.0  # seconds rank 0's idle worker waits for a job before it ticks the other ranks anyway
+# Seconds between the ticks of idle ranks. A rank that waits in a collective spins a core
+# (MLX's ring backend polls), so idle ranks do not wait in one: rank 0 waits this long for a
+# job, the others sleep it. A request that arrives while they sleep waits at most this.
+IDLE_TICK = 0.25
 
 
 class Engine:
@@ -198,6 +201,7 @@ class Engine:
         self._trim_heap = HeapTrimmer()  # after sequences end: see engine/memory.py
         self._lockstep = lockstep
         self._agreed_cancels: set[int] = set()  # under lockstep: the job ids this step ends cancelled
+        self._idle = False  # under lockstep: the last tick brought nothing and nothing runs
         self.lost: str | None = None  # under lockstep: why the ranks can no longer step together
         self.on_lost: Callable[[], None] | None = None  # called once `lost` is set: serve.py exits
         self._beat = time.monotonic()  # under lockstep: when the worker last began a step (the watchdog reads it)
@@ -429,6 +433,8 @@ class Engine:
         them with the runs that end cancelled now; every rank then admits the same jobs."""
         lockstep = self._lockstep
         tick, joined = None, []
+        if not lockstep.leads and not self._active and self._idle:
+            time.sleep(IDLE_TICK)  # rank 0 waits as long for a job before its next tick
         if lockstep.leads:
             waiting: list[Job | None] = []
             if not self._active and not stopping:
@@ -458,6 +464,7 @@ class Engine:
         self._agreed_cancels = set(tick.cancelled)
         for job in joined:
             self._admit(job)
+        self._idle = not tick.joined and not self._active
         return tick.stop
 
     def _mirror(self, spec: JobSpec) -> Job:
