@@ -124,7 +124,12 @@ def test_four_concurrent_streams_over_two_ranks_get_what_one_process_gives(pair)
     assert "rank 0 of 2 holds layers 2-3 of 4 (pipeline parallel)" in log
     assert "rank 1 of 2 holds layers 0-1 of 4 (pipeline parallel)" in log
     assert "lost the other ranks" not in log
-    assert "lmsp_distributed_ranks 2" in HTTP.get(split.url + "/metrics").text.splitlines()
+    metrics = HTTP.get(split.url + "/metrics").text.splitlines()
+    assert "lmsp_distributed_ranks 2" in metrics
+    memory = [line for line in metrics if line.startswith("lmsp_distributed_rank_memory_bytes{")]
+    assert [line.split("}")[0] for line in memory] == ['lmsp_distributed_rank_memory_bytes{rank="0"',
+                                                       'lmsp_distributed_rank_memory_bytes{rank="1"']
+    assert all(int(line.split()[-1]) > 0 for line in memory)
 
 
 def test_stored_responses_and_their_continuation_work_over_two_ranks(pair):
@@ -166,3 +171,24 @@ def test_a_rank_killed_mid_stream_fails_the_stream_and_rank_0_exits(llama, tmp_p
         assert "lost the other ranks" in server.log()
     finally:
         server.stop()
+
+
+def test_a_model_larger_than_one_ranks_budget_serves_over_two(llama, tmp_path):
+    """--memory-budget-mb between the model's size and one rank's part of it: one process
+    refuses to start, two ranks serve."""
+    from lmsp_mlx.engine.footprint import estimate_bytes
+    from lmsp_mlx.engine.loader import check_model_dir
+
+    whole, part = (estimate_bytes(llama, check_model_dir(llama), "cpu", ranks) for ranks in (1, 2))
+    assert part < 0.7 * whole  # the layers are most of the weights
+    budget = f"{(whole + part) / 2 / 2**20:.4f}"
+    alone = subprocess.run([sys.executable, "-m", "lmsp_mlx.serve", "--model", str(llama), "--memory-budget-mb", budget,
+                            "--no-kv-disk", "--store", str(tmp_path / "s.sqlite3"), "--state-key-file",
+                            str(tmp_path / "k")], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert alone.returncode == 2 and "needs about" in alone.stderr and "Traceback" not in alone.stderr
+    split = launched(llama, tmp_path / "split", "--memory-budget-mb", budget)
+    try:
+        complete(split, [5, 6, 7, 8], 4)  # answers 200
+        assert "this rank's part of 2" in split.log()
+    finally:
+        split.stop()

@@ -93,6 +93,12 @@ def share(obj: Any, ranks: Ranks) -> Any:
     return pickle.loads(bytes(memoryview(data)))
 
 
+def gather_memory(ranks: Ranks) -> list[int]:
+    """Each rank's MLX active memory in bytes, by rank (every rank must call it)."""
+    mine = mx.array([mx.get_active_memory()], dtype=mx.int64)
+    return [int(v) for v in mx.distributed.all_gather(mine, group=ranks.group, stream=mx.cpu).tolist()]
+
+
 def same_random_state(ranks: Ranks) -> None:
     """Seed every rank's MLX random state alike, so that unseeded sampling draws the same
     tokens on every rank (each samples from the same logits)."""

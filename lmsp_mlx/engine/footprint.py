@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -23,30 +24,42 @@ MARGIN = 0.10  # of the available memory, kept for the KV cache, activations and
 MIN_MARGIN = 1 << 30
 
 
-def estimate_bytes(path: Path, config: dict, backend: str) -> int:
-    """The model's weights after loading on `backend`, in bytes."""
+def estimate_bytes(path: Path, config: dict, backend: str, ranks: int = 1) -> int:
+    """The model's weights after loading on `backend`, in bytes; with `ranks`, what one rank
+    of a model split over them holds (engine/distributed.py): its share of the decoder
+    layers (a slice of each, or a run of them) and the rest (embeddings, head) whole."""
     tables = {}
     for f in sorted(path.glob("*.safetensors")):
         try:
             tables.update(read_header(f)[0])
         except (OSError, CheckpointError):
             return sum(f.stat().st_size for f in path.glob("*.safetensors"))  # mlx-lm will say what is wrong
-    total = 0
+    layers = rest = 0
     group = (config.get("quantization") or {}).get("group_size", 64)
     for name, t in tables.items():
-        stored = math.prod(t["shape"]) * _BYTES.get(t["dtype"], 4)
-        if backend != "cpu":
-            total += stored
-        elif "switch_mlp" in name or ".experts." in name:  # MoE experts stay quantized on the CPU
-            total += stored if t["dtype"] == "U32" else math.prod(t["shape"]) * 4
-        elif name.endswith((".scales", ".biases")) and name.rsplit(".", 1)[0] + ".weight" in tables:
-            continue  # folded into the float32 weight
-        elif name.endswith(".weight") and name[: -len("weight")] + "scales" in tables:
-            scales = tables[name[: -len("weight")] + "scales"]["shape"]
-            total += math.prod(scales) * group * 4  # one float32 per weight: each scale covers `group`
+        size = _loaded_bytes(name, t, tables, backend, group)
+        if _LAYER.search(name):
+            layers += size
         else:
-            total += math.prod(t["shape"]) * 4
-    return total
+            rest += size
+    return rest + math.ceil(layers / ranks)
+
+
+_LAYER = re.compile(r"(?:^|\.)layers\.\d+\.")
+
+
+def _loaded_bytes(name: str, t: dict, tables: dict, backend: str, group: int) -> int:
+    stored = math.prod(t["shape"]) * _BYTES.get(t["dtype"], 4)
+    if backend != "cpu":
+        return stored
+    if "switch_mlp" in name or ".experts." in name:  # MoE experts stay quantized on the CPU
+        return stored if t["dtype"] == "U32" else math.prod(t["shape"]) * 4
+    if name.endswith((".scales", ".biases")) and name.rsplit(".", 1)[0] + ".weight" in tables:
+        return 0  # folded into the float32 weight
+    if name.endswith(".weight") and name[: -len("weight")] + "scales" in tables:
+        scales = tables[name[: -len("weight")] + "scales"]["shape"]
+        return math.prod(scales) * group * 4  # one float32 per weight: each scale covers `group`
+    return math.prod(t["shape"]) * 4
 
 
 def available_bytes() -> int | None:

@@ -194,19 +194,24 @@ def _describe_quantization(config: dict) -> str:
     return f"{q.get('mode', 'affine')}-{q['bits']}bit-g{q['group_size']}"
 
 
-def check_fits(path: Path, config: dict, backend: str, override: int | None, name: str | None = None) -> int:
-    """The model's estimated size after loading; ModelLoadError where it exceeds the budget.
-    `name`: what the messages call it (its id; a hub snapshot's directory is a commit hash)."""
+def check_fits(path: Path, config: dict, backend: str, override: int | None, name: str | None = None,
+               ranks: int = 1) -> int:
+    """The model's estimated size after loading (with `ranks`, one rank's part of it);
+    ModelLoadError where it exceeds the budget (per rank). `name`: what the messages call
+    it (its id; a hub snapshot's directory is a commit hash)."""
     name = name or path.name
     from .footprint import budget_bytes, estimate_bytes, gb
 
-    need = estimate_bytes(path, config, backend)
+    need = estimate_bytes(path, config, backend, ranks)
     budget, why = budget_bytes(override)
     if budget is not None and need > budget:
         form = "float32 on the CPU build" if backend == "cpu" else "as stored"
+        if ranks > 1:
+            form += ", this rank's part"
         raise ModelLoadError(f"{name} needs about {gb(need)} once loaded ({form}) but {gb(budget)} may be used "
                              f"({why}); serve a smaller model or free memory")
-    log.info("%s: about %s once loaded%s", name, gb(need), f", of {gb(budget)} ({why})" if budget else "")
+    part = f" (this rank's part of {ranks})" if ranks > 1 else ""
+    log.info("%s: about %s once loaded%s%s", name, gb(need), part, f", of {gb(budget)} ({why})" if budget else "")
     return need
 
 
@@ -239,7 +244,7 @@ def load_model(path: Path, *, model_id: str | None = None, ctx: int | None = Non
     adapter = options.adapter_path
     if adapter is not None:
         check_adapter_dir(adapter)
-    check_fits(path, config, backend, options.memory_budget, name)
+    check_fits(path, config, backend, options.memory_budget, name, options.ranks.size if options.ranks else 1)
     from .. import kernels
 
     try:

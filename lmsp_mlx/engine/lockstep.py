@@ -18,7 +18,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from .distributed import Ranks, same_random_state, share
+from .distributed import Ranks, gather_memory, same_random_state, share
+
+MEMORY_EVERY = 40  # ticks between two readings of every rank's memory (for /metrics)
 from .generate import GenerationParams
 from .turn import Conversation
 
@@ -53,6 +55,8 @@ class Lockstep:
         self.ranks = ranks
         self._next_id = 0
         self._seeded = False
+        self._ticks = 0
+        self.memory: list[int] = []  # each rank's MLX active memory at the last reading, by rank
 
     @property
     def leads(self) -> bool:
@@ -69,7 +73,11 @@ class Lockstep:
             same_random_state(self.ranks)
             self._seeded = True
         quiet = tick is not None and not (tick.joined or tick.cancelled or tick.stop)
-        return share(None if quiet else tick, self.ranks) or Tick()  # most steps: one collective of 0
+        agreed = share(None if quiet else tick, self.ranks) or Tick()  # most steps: one collective of 0
+        if self._ticks % MEMORY_EVERY == 0:  # the same ticks on every rank: a collective they all reach
+            self.memory = gather_memory(self.ranks)
+        self._ticks += 1
+        return agreed
 
 
 def spec_of(job_id: int, model: str, params: GenerationParams, route: str, text: str, visible: str | None,

@@ -72,7 +72,8 @@ def footprint(spec: ModelSpec) -> int:
     from .footprint import estimate_bytes
     from .loader import backend_name
 
-    weights = estimate_bytes(spec.path, check_model_dir(spec.path), backend_name())
+    ranks = spec.options.ranks.size if spec.options.ranks is not None else 1
+    weights = estimate_bytes(spec.path, check_model_dir(spec.path), backend_name(), ranks)
     if spec.draft is not None:
         weights += estimate_bytes(spec.draft, check_model_dir(spec.draft), backend_name())
     return weights

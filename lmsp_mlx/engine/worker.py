@@ -171,6 +171,7 @@ class EngineSnapshot:
     mlx_active_bytes: int
     mlx_cache_bytes: int
     ranks: int = 1  # the processes the model is split over (engine/distributed.py); this one is rank 0
+    rank_memory: tuple[int, ...] = ()  # each rank's MLX active memory at its last reading (engine/lockstep.py)
 
 
 _WAKE = object()  # in the job queue: the worker has control work (an unload), not a job
@@ -337,7 +338,8 @@ class Engine:
                 drafted=dict(c.drafted), accepted=dict(c.accepted),
                 kv_sessions=c.kv_sessions, kv_bytes=c.kv_bytes, mlx_active_bytes=mx.get_active_memory(),
                 mlx_cache_bytes=mx.get_cache_memory(),
-                ranks=self._lockstep.ranks.size if self._lockstep is not None else 1)
+                ranks=self._lockstep.ranks.size if self._lockstep is not None else 1,
+                rank_memory=tuple(self._lockstep.memory) if self._lockstep is not None else ())
 
     @property
     def settle_seconds(self) -> float:

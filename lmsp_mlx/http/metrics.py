@@ -35,6 +35,7 @@ def render(snap: EngineSnapshot, http_statuses: Mapping[int, int]) -> str:
         *_gauge("lmsp_batch_sequences", snap.batch_sequences),
         *_gauge("lmsp_batch_max", snap.batch_max),
         *_gauge("lmsp_distributed_ranks", snap.ranks),
+        *_labelled_gauge("lmsp_distributed_rank_memory_bytes", "rank", enumerate(snap.rank_memory)),
         *_gauge("lmsp_models_loaded", snap.models_loaded),
         *_labelled("lmsp_requests_total", "status", snap.requests.items()),
         *_counter("lmsp_prompt_tokens_total", snap.prompt_tokens),
@@ -58,6 +59,12 @@ def _gauge(name: str, value: int) -> list[str]:
 
 def _counter(name: str, value: int) -> list[str]:
     return [f"# TYPE {name} counter", f"{name} {value}"]
+
+
+def _labelled_gauge(name: str, label: str, series: Iterable[tuple[object, int]]) -> list[str]:
+    """A gauge family with one series per label value; nothing where there are none."""
+    rows = sorted(series)
+    return [f"# TYPE {name} gauge", *(f'{name}{{{label}="{k}"}} {v}' for k, v in rows)] if rows else []
 
 
 def _labelled(name: str, label: str, series: Iterable[tuple[object, int]]) -> list[str]:
