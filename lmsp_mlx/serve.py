@@ -129,7 +129,7 @@ def build(settings: Settings, ranks: Ranks | None = None) -> Service:
 def join_ranks(settings: Settings) -> tuple[Settings, Ranks | None]:
     """Where `mlx.launch` started this process: the ranks it is one of, and the settings a
     model split over them runs with (one --model, kept loaded, nothing loaded on demand,
-    no KV checkpoints on disk yet); else (settings, None). Raises StartError."""
+    each rank's KV checkpoints in a folder of its own); else (settings, None). Raises StartError."""
     from .engine.distributed import DistributedError, join, launched
 
     if not launched():
@@ -147,10 +147,11 @@ def join_ranks(settings: Settings) -> tuple[Settings, Ranks | None]:
         return settings, None
     log.info("rank %d of %d (%s parallel)%s", ranks.rank, ranks.size, ranks.parallel,
              "" if ranks.rank else ": serving HTTP")
-    if settings.cache.disk_dir is not None:
-        log.info("KV checkpoints on disk are off across ranks (each rank's shard under one key is not built yet)")
-    return replace(settings, engine=replace(engine, pin=True, keep_alive=math.inf),
-                   cache=replace(settings.cache, disk_dir=None)), ranks
+    cache = settings.cache
+    if cache.disk_dir is not None:  # each rank writes its shard of every checkpoint into a folder of its own
+        cache = replace(cache, disk_dir=cache.disk_dir / f"rank-{ranks.rank}-of-{ranks.size}")
+        log.info("rank %d: KV checkpoints (this rank's shards) in %s", ranks.rank, cache.disk_dir)
+    return replace(settings, engine=replace(engine, pin=True, keep_alive=math.inf), cache=cache), ranks
 
 
 def follow(settings: Settings, ranks: Ranks) -> int:

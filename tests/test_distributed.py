@@ -74,7 +74,8 @@ def launched(model: Path, where: Path, *args: str, ranks: int = 2) -> ProcessSer
         launcher = [str(Path(sys.executable).parent / "mlx.launch"), "-n", str(ranks), "--backend", "ring",
                     *(f"--env={k}={v}" for k, v in MLX_RUNNER.items()), f"--env=PYTHONPATH={ROOT}", "--"]
     where.mkdir(parents=True, exist_ok=True)
-    return ProcessServer(["--model", str(model), "--model-id", "m", "--no-kv-disk", *args], where / "server.log",
+    kv = [] if "--kv-disk-dir" in args else ["--no-kv-disk"]
+    return ProcessServer(["--model", str(model), "--model-id", "m", *kv, *args], where / "server.log",
                          env={**MLX_RUNNER, "PYTHONPATH": str(ROOT)}, launcher=launcher).wait_ready(180)
 
 
@@ -192,3 +193,38 @@ def test_a_model_larger_than_one_ranks_budget_serves_over_two(llama, tmp_path):
         assert "this rank's part of 2" in split.log()
     finally:
         split.stop()
+
+
+def test_a_checkpoint_written_over_two_ranks_is_restored_after_both_restart(llama, tmp_path):
+    """Each rank writes its shard of the session at shutdown into a folder of its own; both
+    restarted, the same prompt restores from every rank's shard and answers as before. With
+    one rank's shard missing, no rank restores (and the answer is the same, prefilled)."""
+    kv = tmp_path / "kv"
+    prompt = [(3 + 7 * i) % 250 + 5 for i in range(120)]
+    args = ("--pipeline", "--kv-disk-dir", str(kv), "--kv-checkpoint-min-tokens", "1")
+    first = launched(llama, tmp_path / "first", *args)
+    try:
+        before = complete(first, prompt, 8)
+        os.kill(rank_pid(first.port, 0), signal.SIGTERM)  # rank 0 stops every rank; each checkpoints
+        assert first.proc.wait(timeout=60) == 0
+    finally:
+        first.stop()
+    shards = sorted(p.parent.parent.name for p in kv.glob("rank-*/*/*.safetensors"))
+    assert shards == ["rank-0-of-2", "rank-1-of-2"]
+    for shard in kv.glob("rank-1-of-2/*/*.safetensors"):
+        shard.rename(shard.with_suffix(".kept"))  # rank 1's shard gone: rank 0 alone must not restore
+    lacking = launched(llama, tmp_path / "lacking", *args)
+    try:
+        assert complete(lacking, prompt, 8) == before
+        assert "another rank lacks its shard" in lacking.log()
+    finally:
+        lacking.stop()
+    for shard in kv.glob("rank-1-of-2/*/*.kept"):
+        shard.rename(shard.with_suffix(".safetensors"))
+    second = launched(llama, tmp_path / "second", *args)
+    try:
+        assert complete(second, prompt, 8) == before
+        log = second.log()
+        assert log.count("kv disk: restored") == 2 and "another rank lacks" not in log
+    finally:
+        second.stop()

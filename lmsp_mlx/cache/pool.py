@@ -31,7 +31,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import Literal
+from typing import Callable, Literal
 
 from mlx_lm.models.cache import KVCache, QuantizedKVCache, make_prompt_cache
 
@@ -71,11 +71,17 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 
 
 class SessionPool:
-    def __init__(self, model, tokenizer, policy: CacheSettings, disk: CheckpointStore | None = None) -> None:
+    def __init__(self, model, tokenizer, policy: CacheSettings, disk: CheckpointStore | None = None,
+                 agree: Callable[[int], bool] | None = None) -> None:
+        """`agree`, for a model split over ranks (each with its own shard of every
+        checkpoint): called by every rank at each disk lookup with the tokens it would
+        restore (-1: none); True only where every rank would restore the same, so that all
+        restore or none does."""
         self.model = model
         self.tokenizer = tokenizer
         self.policy = policy
         self.disk = disk
+        self.agree = agree
         self.sessions: list[Session] = []
 
     def new_cache(self) -> list:
@@ -182,11 +188,16 @@ class SessionPool:
                         best = Start(s, "text", part_tokens, full)
                     break
 
-        if self.disk is not None:
-            found = [(m, t) for t in dict.fromkeys((seen, text))
-                     if (m := self.disk.find(t, owner, longer_than=best.cached if best else 0)) is not None]
+        if self.disk is not None or self.agree is not None:
+            found = [(m, t) for t in dict.fromkeys((seen, text)) if self.disk is not None
+                     and (m := self.disk.find(t, owner, longer_than=best.cached if best else 0)) is not None]
             match, matched = max(found, key=lambda f: f[0].tokens) if found else (None, text)
-            if match is not None and (start := self._restore(match, matched, limit)) is not None:
+            start = self._restore(match, matched, limit) if match is not None else None
+            if self.agree is not None and not self.agree(start.cached if start is not None else -1):
+                if start is not None:
+                    log.info("kv disk: not restored: another rank lacks its shard of this checkpoint")
+                start = None
+            if start is not None:
                 return start
 
         if best is not None:

@@ -93,6 +93,12 @@ def share(obj: Any, ranks: Ranks) -> Any:
     return pickle.loads(bytes(memoryview(data)))
 
 
+def same_everywhere(value: int, ranks: Ranks) -> bool:
+    """Whether every rank passed this same `value`, and it is not negative (every rank must call it)."""
+    values = mx.distributed.all_gather(mx.array([value], dtype=mx.int64), group=ranks.group, stream=mx.cpu).tolist()
+    return value >= 0 and all(v == value for v in values)
+
+
 def gather_memory(ranks: Ranks) -> list[int]:
     """Each rank's MLX active memory in bytes, by rank (every rank must call it)."""
     mine = mx.array([mx.get_active_memory()], dtype=mx.int64)

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from .distributed import Ranks, gather_memory, same_random_state, share
+from .distributed import Ranks, gather_memory, same_everywhere, same_random_state, share
 
 MEMORY_EVERY = 40  # ticks between two readings of every rank's memory (for /metrics)
 from .generate import GenerationParams
@@ -65,6 +65,10 @@ class Lockstep:
     def next_id(self) -> int:
         self._next_id += 1
         return self._next_id
+
+    def barrier(self) -> None:
+        """Until every rank reaches it (after the last checkpoint writes: rank 0 exits last)."""
+        same_everywhere(0, self.ranks)
 
     def agree(self, tick: Tick | None) -> Tick:
         """Rank 0's `tick` on every rank (the others pass None). The first one also seeds

@@ -27,6 +27,7 @@ from ..cache.disk import CheckpointStore
 from ..cache.pool import SessionPool
 from ..settings import CacheSettings
 from .batch import Batch
+from .distributed import Ranks, same_everywhere
 from .loader import LoadedModel, LoadOptions, ModelLoadError, check_model_dir, load_model
 
 log = logging.getLogger("lmsp_mlx.engine")
@@ -86,7 +87,7 @@ def open_slot(slot: ModelSlot, *, ctx: int | None, cache: CacheSettings, max_out
     lm.default_max_output_tokens = max_output_tokens
     if spec.draft is not None:
         slot.draft = _open_draft(lm, spec.draft)
-    slot.pool = _make_pool(lm, cache, slot.calls)
+    slot.pool = _make_pool(lm, cache, slot.calls, spec.options.ranks)
     slot.batch = Batch(lm)
     slot.lm = lm
 
@@ -115,7 +116,7 @@ def _open_draft(lm: LoadedModel, path: Path) -> LoadedModel:
     return draft
 
 
-def _make_pool(lm: LoadedModel, cs: CacheSettings, calls: CallMemory) -> SessionPool:
+def _make_pool(lm: LoadedModel, cs: CacheSettings, calls: CallMemory, ranks: Ranks | None) -> SessionPool:
     fingerprint = lm.fingerprint
     if cs.kv_bits:  # checkpoints of quantized KV belong to their own folder
         lm.kv_cache = f"{cs.kv_bits}-bit, group {cs.kv_group_size}"
@@ -127,7 +128,10 @@ def _make_pool(lm: LoadedModel, cs: CacheSettings, calls: CallMemory) -> Session
             disk = CheckpointStore(cs.disk_dir, fingerprint, cs.disk_bytes, calls=calls, vocab_size=vocab)
         except OSError as exc:
             log.warning("kv disk %s unusable (%s): checkpoints are off", cs.disk_dir, exc)
-    pool = SessionPool(lm.model, lm.tokenizer, cs, disk)
+    # Across ranks each writes its shard of a checkpoint in a folder of its own (serve.py),
+    # and a restore needs every rank's.
+    agree = None if ranks is None else (lambda tokens: same_everywhere(tokens, ranks))
+    pool = SessionPool(lm.model, lm.tokenizer, cs, disk, agree)
     if cs.kv_bits:  # a quantized cache the model cannot use is a start-up error, not a 500 later
         try:
             mx.eval(lm.runner.forward(mx.array([[0]]), pool.new_cache()))

@@ -403,6 +403,8 @@ class Engine:
         for slot in list(self.models.slots.values()):
             if slot.pool is not None:
                 slot.pool.close()  # checkpoints the resident sessions
+        if self._lockstep is not None:
+            self._lockstep.barrier()  # every rank's shards are written before rank 0 exits
 
     def wait(self) -> None:
         """Until the worker ends (a rank other than 0 follows rank 0's stop) or the ranks are lost."""
