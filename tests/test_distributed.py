@@ -228,3 +228,14 @@ def test_a_checkpoint_written_over_two_ranks_is_restored_after_both_restart(llam
         assert log.count("kv disk: restored") == 2 and "another rank lacks" not in log
     finally:
         second.stop()
+
+
+def test_a_rank_count_the_model_cannot_be_split_over_is_a_one_line_start_error(llama, tmp_path):
+    """The tiny llama has 4 attention heads: three ranks cannot share them (tensor parallel)."""
+    launch = [str(Path(sys.executable).parent / "mlx.launch"), "-n", "3", "--backend", "ring",
+              *(f"--env={k}={v}" for k, v in MLX_RUNNER.items()), f"--env=PYTHONPATH={ROOT}", "--"]
+    done = subprocess.run([*launch, sys.executable, "-m", "lmsp_mlx.serve", "--model", str(llama), "--no-kv-disk",
+                           "--store", str(tmp_path / "s.sqlite3"), "--state-key-file", str(tmp_path / "k")],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    out = done.stdout + done.stderr
+    assert "num_attention_heads = 4 cannot be split over 3 ranks" in out and "Traceback" not in out
