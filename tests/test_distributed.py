@@ -152,6 +152,21 @@ def test_stored_responses_and_their_continuation_work_over_two_ranks(pair):
     assert texts[0] == texts[1] and texts[0]
 
 
+def test_a_client_that_leaves_mid_stream_is_cancelled_on_every_rank(pair):
+    """Its run ends at the next step boundary on both ranks (rank 0's tick says so); the
+    ranks stay in step: the next request answers as one process does."""
+    split, alone = pair
+    with HTTP.stream("POST", split.url + "/v1/completions", timeout=60, json={
+            "model": "m", "prompt": [5, 6, 7], "max_tokens": 2000, "temperature": 0, "ignore_eos": True,
+            "stream": True}) as r:
+        for line in r.iter_lines():
+            if line.startswith("data:"):
+                break
+    prompt = [(11 + 5 * i) % 250 + 5 for i in range(30)]
+    assert complete(split, prompt, 20) == complete(alone, prompt, 20)
+    assert 'lmsp_requests_total{status="cancelled"} 1' in HTTP.get(split.url + "/metrics").text
+
+
 def test_a_rank_killed_mid_stream_fails_the_stream_and_rank_0_exits(llama, tmp_path):
     server = launched(llama, tmp_path / "killed", "--rank-timeout", "5")
     try:
