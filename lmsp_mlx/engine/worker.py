@@ -314,8 +314,8 @@ class Engine:
                 return False
             self._jobs.not_full.notify()
         n = len(job.params.prompt)
-        job.emit(Finished("cancelled", Usage(n, 0)))
         self._log(job, job.slot.lm, "cancelled", Usage(n, 0), 0.0, 0.0, f" prefilled=0/{n} withdrawn from the queue")
+        job.emit(Finished("cancelled", Usage(n, 0)))
         return True
 
     @property
@@ -600,9 +600,9 @@ class Engine:
             # Its live state was replaced while it waited: a tool result alone cannot be
             # prefilled cold (the model would never see its own call).
             pool.abandon(start)
+            self._log(job, lm, "failed", Usage(len(job.params.prompt), 0), 0.0, 0.0)
             job.emit(Failed("the live state of these tool calls is gone (another request replaced it); "
                             "send the full conversation instead", code="continuation_state_unavailable"))
-            self._log(job, lm, "failed", Usage(len(job.params.prompt), 0), 0.0, 0.0)
             return None
         params = replace(
             job.params, prompt=start.tokens, cached=start.cached,
@@ -631,8 +631,8 @@ class Engine:
     def _end_unstarted(self, job: Job) -> None:
         """A job cancelled before it started: it ends with nothing prefilled."""
         n = len(job.params.prompt)
-        job.emit(Finished("cancelled", Usage(n, 0)))
         self._log(job, job.slot.lm, "cancelled", Usage(n, 0), 0.0, 0.0, f" prefilled=0/{n}")
+        job.emit(Finished("cancelled", Usage(n, 0)))
 
     def _drafting(self, params: GenerationParams, draft: LoadedModel | None) -> Drafting | None:
         """The sequence's speculation: --speculate's drafter, unless the request turned it off.
@@ -663,6 +663,9 @@ class Engine:
                                                    reasoning_tokens=turn.reasoning_tokens(done.usage.output_tokens)))
         except Exception as exc:
             return self._fail(run, exc, listed=False)
+        # Counted before the client hears the end: /metrics read after a reply includes it.
+        self._log(job, lm, _STATUS[done.reason], done.usage, done.prefill_tps, done.decode_tps,
+                  extra + self._count_drafts(run.seq))
         job.emit(done)
         if done.reason != "cancelled" and job.conv is not None and run.seq.params.max_tokens > 0:  # a prewarm has no turn
             calls = None if turn.dropped else turn.remember(slot.calls)  # its sampled text is not the reply's
@@ -673,8 +676,6 @@ class Engine:
                 binding = None if turn.dropped else turn.binding(slot.calls, ended)
             except Exception:  # the reply is out; without a binding only the next lookup is slower
                 log.exception("the turn's visible transcript could not be rendered")
-        self._log(job, lm, _STATUS[done.reason], done.usage, done.prefill_tps, done.decode_tps,
-                  extra + self._count_drafts(run.seq))
         slot.pool.finish(start, run.seq.sampled, ok=True, binding=binding, calls=calls)
         if job.keep_history and done.reason != "cancelled":
             slot.pool.keep_history(start, job.keep_history)
@@ -693,8 +694,8 @@ class Engine:
             log.exception("the failed sequence's cache could not be handed back")
         log.error("generation failed: %s: %s", type(exc).__name__, exc, exc_info=exc)
         slot.pool.finish(run.start, run.seq.sampled, ok=False, binding=None)
-        run.job.emit(Failed(f"generation failed: {type(exc).__name__}: {exc}"))
         self._log(run.job, slot.lm, "failed", Usage(len(run.start.tokens), 0), 0.0, 0.0, self._count_drafts(run.seq))
+        run.job.emit(Failed(f"generation failed: {type(exc).__name__}: {exc}"))
         self._count_kv()
 
     def _count_drafts(self, seq: Sequence) -> str:
