@@ -254,3 +254,16 @@ def test_a_rank_count_the_model_cannot_be_split_over_is_a_one_line_start_error(l
                           cwd=ROOT, capture_output=True, text=True, timeout=120)
     out = done.stdout + done.stderr
     assert "num_attention_heads = 4 cannot be split over 3 ranks" in out and "Traceback" not in out
+
+
+def test_pipeline_refuses_a_family_it_would_run_wrongly(tmp_path):
+    """gemma3_text has no pipeline in mlx-lm, and its body scales its embeddings: not llama's
+    forward, so --pipeline is a start error rather than wrong logits."""
+    import mlx.core as mx
+    from mlx_lm.utils import load_model as mlx_lm_load
+
+    from lmsp_mlx.engine.distributed import DistributedError, Ranks, split
+
+    model, _ = mlx_lm_load(build_tiny_family_model(tmp_path / "gemma", "gemma3_text"), lazy=True)
+    with pytest.raises(DistributedError, match="has no pipeline split"):
+        split(model, Ranks(mx.distributed.init(), "pipeline"))  # this process alone: a group of one

@@ -139,10 +139,20 @@ def _pipeline(model: nn.Module, ranks: Ranks) -> str:
     if isinstance(body, PipelineMixin):
         body.pipeline(ranks.group)
         start, end = body.start_idx, body.end_idx
-    else:
+    elif type(model).__module__ in LAYER_PIPELINE_FAMILIES:
         model.model = LayerPipeline(body, ranks)
         start, end = model.model.start, model.model.end
+    else:
+        raise DistributedError(f"{type(model).__module__} has no pipeline split (neither mlx-lm's nor ours): "
+                               "leave --pipeline out for tensor parallelism")
     return f"layers {start}-{end - 1} of {layers} (pipeline parallel)"
+
+
+# The bodies LayerPipeline runs as their own forward does: embeddings, then
+# `layer(h, mask, cache)` with a full or sliding-window mask, then the norm. Another body
+# (gemma's scaled embeddings, a hybrid's per-kind masks) would be run wrongly, so it is
+# named here only once its forward is checked against this one.
+LAYER_PIPELINE_FAMILIES = ("mlx_lm.models.llama",)
 
 
 class LayerPipeline(nn.Module):
