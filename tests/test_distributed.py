@@ -152,6 +152,31 @@ def test_stored_responses_and_their_continuation_work_over_two_ranks(pair):
     assert texts[0] == texts[1] and texts[0]
 
 
+def test_chat_messages_and_a_background_response_over_two_ranks_answer_as_one_process(pair):
+    """Every wire API goes through the same worker: Chat, Anthropic's Messages, and a
+    background Responses run polled to its end, each answering what one process answers."""
+
+    def answers(server) -> list:
+        chat = HTTP.post(server.url + "/v1/chat/completions", timeout=120, json={
+            "model": "m", "messages": [{"role": "user", "content": "Hi there"}], "max_tokens": 10,
+            "temperature": 0}).json()["choices"][0]["message"]["content"]
+        messages = HTTP.post(server.url + "/v1/messages", timeout=120, json={
+            "model": "m", "messages": [{"role": "user", "content": "Hi there"}], "max_tokens": 10,
+            "temperature": 0}).json()["content"]
+        job = HTTP.post(server.url + "/v1/responses", timeout=120, json={
+            "model": "m", "input": "Tell me more", "max_output_tokens": 10, "temperature": 0,
+            "background": True}).json()
+        deadline = time.monotonic() + 60
+        while (done := HTTP.get(f"{server.url}/v1/responses/{job['id']}", timeout=30).json())["status"] in (
+                "queued", "in_progress"):
+            assert time.monotonic() < deadline
+            time.sleep(0.2)
+        return [chat, messages, done["status"], done["output"][-1]["content"]]
+
+    split, alone = pair
+    assert answers(split) == answers(alone)
+
+
 def test_a_client_that_leaves_mid_stream_is_cancelled_on_every_rank(pair):
     """Its run ends at the next step boundary on both ranks (rank 0's tick says so); the
     ranks stay in step: the next request answers as one process does."""
