@@ -79,3 +79,31 @@ def test_the_socket_needs_a_token_when_the_server_has_one(start_server, tiny_mod
     with connect(url, additional_headers={"Authorization": "Bearer s3cret"}) as ws:
         ws.send(json.dumps({"type": "response.create", **ask(max_output_tokens=2)}))
         assert json.loads(ws.recv())["type"] == "response.created"
+
+
+def test_a_failed_continuation_evicts_what_it_continued(tiny_server):
+    """Open Responses' websocket-failed-continuation-evicts-cache: a `store: false` turn, a
+    continuation of it that fails (a tool output for a call it never made), then the same
+    previous_response_id again: previous_response_not_found, not a continuation."""
+    from websockets.sync.client import connect
+
+    def send(ws, **fields) -> list[dict]:
+        ws.send(json.dumps({"type": "response.create", **fields}))
+        events = []
+        while True:
+            events.append(json.loads(ws.recv()))
+            if events[-1]["type"] in ("response.completed", "response.incomplete", "response.failed", "error"):
+                return events
+
+    with connect(tiny_server.url.replace("http", "ws") + "/v1/responses") as ws:
+        first = send(ws, model="tiny", input="Hello there", max_output_tokens=4, temperature=0, store=False)[-1]
+        assert first["type"] in ("response.completed", "response.incomplete")
+        first_id = first["response"]["id"]
+        failed = send(ws, model="tiny", previous_response_id=first_id, max_output_tokens=4,
+                      input=[{"type": "function_call_output", "call_id": "call_never_made", "output": "42"}])[-1]
+        assert failed["type"] == "error" and failed["code"] == "unknown_call_id"
+        again = send(ws, model="tiny", input="And then?", previous_response_id=first_id, max_output_tokens=4)[-1]
+        assert again["type"] == "error" and again["code"] == "previous_response_not_found"
+        assert again["status"] == 404
+        # the connection still serves: a fresh turn answers
+        assert send(ws, model="tiny", input="Hi", max_output_tokens=2, store=False)[-1]["type"] != "error"

@@ -220,10 +220,14 @@ async def responses_socket():
     """WebSocket mode: each `response.create` message (a POST /v1/responses body, without
     `stream`) runs one response and gets its events back as JSON messages, one response
     at a time. previous_response_id chains within the connection even with `store: false`.
-    A bad message gets an `error` event and the connection stays open."""
+    A bad message gets an `error` event and the connection stays open. A continuation that
+    fails (refused, or ended `failed`) evicts the response it continued from the
+    connection's state: naming it again is `previous_response_not_found`, as Open Responses
+    requires, so that a client never continues state a failure may have left half-used."""
     local: dict[str, Stored] = {}
     while True:
         raw = await websocket.receive()
+        body = None
         try:
             body = decode_json(raw, "the message")
             if not isinstance(body, dict) or body.get("type") != "response.create":
@@ -237,6 +241,8 @@ async def responses_socket():
                 req = req.model_copy(update={"store": True})  # as on HTTP
             run = await start_run("v1", req, local)
         except (Problem, QueueFull) as refused:
+            if isinstance(refused, Problem):  # a 429 is load, not a failed continuation
+                _evict_continued(local, body)
             await websocket.send(_error_message(queue_full(refused) if isinstance(refused, QueueFull) else refused))
             continue
         try:
@@ -245,6 +251,15 @@ async def responses_socket():
                     await websocket.send(e.message())
         finally:
             run.cancel()  # the client left mid-response
+        if run.status == "failed":
+            _evict_continued(local, body)
+
+
+def _evict_continued(local: dict[str, Stored], body) -> None:
+    """Forget the connection-local response a failed `response.create` continued."""
+    previous = body.get("previous_response_id") if isinstance(body, dict) else None
+    if isinstance(previous, str):
+        local.pop(previous, None)
 
 
 def _error_message(problem: Problem) -> str:
