@@ -277,6 +277,7 @@ async def _serve_until_signalled(service: Service) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, on_signal)
+
     def on_lost() -> None:  # the model's ranks lost each other: stop, then exit 3
         try:
             loop.call_soon_threadsafe(stop.set)
