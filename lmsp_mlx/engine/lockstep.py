@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
+from ..protocol.routes import Route
 from .distributed import Ranks, gather_memory, same_everywhere, same_random_state, share
 
 MEMORY_EVERY = 40  # ticks between two readings of every rank's memory (for /metrics)
@@ -34,7 +35,7 @@ class JobSpec:
     model: str
     params: GenerationParams  # its `constraint` is None here: see `grammar`
     grammar: str | None
-    route: str
+    route: Route
     text: str
     visible: str | None
     keep_history: str | None
@@ -84,7 +85,7 @@ class Lockstep:
         return agreed
 
 
-def spec_of(job_id: int, model: str, params: GenerationParams, route: str, text: str, visible: str | None,
+def spec_of(job_id: int, model: str, params: GenerationParams, route: Route, text: str, visible: str | None,
             keep_history: str | None, conv: Conversation | None) -> JobSpec:
     grammar = params.constraint.grammar if params.constraint is not None else None
     return JobSpec(job_id, model, replace(params, constraint=None), grammar, route, text, visible, keep_history, conv)

@@ -42,6 +42,7 @@ from typing import Literal, Protocol
 import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache, CacheList, KVCache, QuantizedKVCache, RotatingKVCache, can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
 
+from ..cache.pool import common_prefix
 from .generate import prefill
 
 log = logging.getLogger("lmsp_mlx.engine")
@@ -105,7 +106,7 @@ class DraftModel:
     def draft(self, tokens: list[int], k: int) -> list[int]:
         if k <= 0 or not tokens:
             return []
-        keep = _shared_prefix(self._fed, tokens[:-1])  # the last token is fed again: its logits draft
+        keep = common_prefix(self._fed, tokens[:-1])  # the last token is fed again: its logits draft
         if keep < len(self._fed):
             if can_trim_prompt_cache(self.cache):
                 trim_prompt_cache(self.cache, len(self._fed) - keep)
@@ -129,14 +130,6 @@ class DraftModel:
         logits = self.lm.runner.forward(mx.array([tokens[len(head):]]), self.cache)[0, -1]
         self._fed.extend(tokens)
         return logits
-
-
-def _shared_prefix(a: list[int], b: list[int]) -> int:
-    n = min(len(a), len(b))
-    for i in range(n):
-        if a[i] != b[i]:
-            return i
-    return n
 
 
 def same_tokenizer(target, draft) -> str | None:
