@@ -153,7 +153,7 @@ def test_tool_calls_and_the_turn_after_them_continue_the_live_kv(start_server, c
      400, "unknown_call_id", "messages[1].tool_call_id"),
     ({"tool_choice": {"type": "function"}}, 400, "invalid_request", "tool_choice"),
     ({"temperature": "hot"}, 400, "invalid_request", "temperature"),
-    ({"logprobs": True}, 400, "unsupported_capability", "logprobs"),
+    ({"top_logprobs": 2}, 400, "invalid_request", "top_logprobs"),  # without logprobs: true
     ({"model": "gpt-9"}, 404, "model_not_found", "model"),
     ({"tools": [{"type": "function", "function": {"name": "no spaces allowed"}}]},
      400, "invalid_request", "tools[0].function.name"),

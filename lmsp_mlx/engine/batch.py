@@ -217,8 +217,8 @@ class Batch:
             at += 1 + len(draft)
         if plain:
             picked = logits if len(rows) == logits.shape[0] else logits[mx.array(rows)]
-            for s, token in zip(plain, sample_rows(plain, picked)):
-                _take_token(s, token, failed)
+            for k, (s, token) in enumerate(zip(plain, sample_rows(plain, picked))):
+                _take_token(s, token, failed, picked[k : k + 1])
 
     def _step_alone(self, s: Sequence, draft: list[int], failed: dict[Sequence, Exception]) -> None:
         """`s` through the model's own pass on its own cache, its draft's rows included."""
@@ -440,12 +440,12 @@ def _take(s: Sequence, logits: mx.array, failed: dict[Sequence, Exception]) -> N
         failed[s] = exc
 
 
-def _take_token(s: Sequence, token: int | Exception, failed: dict[Sequence, Exception]) -> None:
+def _take_token(s: Sequence, token: int | Exception, failed: dict[Sequence, Exception], row: mx.array) -> None:
     if isinstance(token, Exception):
         failed[s] = token
         return
     try:
-        s.take_token(token)
+        s.take_token(token, row)
     except Exception as exc:  # a detokenizer, a client's callback: this sequence's alone
         failed[s] = exc
 

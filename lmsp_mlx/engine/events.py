@@ -5,10 +5,24 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal, Union
 
+from ..protocol.logprobs import TokenLogprob
+
 
 @dataclass(frozen=True)
 class TextDelta:
+    """`logprobs`: where the request asked for them, the entries of the tokens this text
+    finished (protocol/logprobs.py: their texts need not line up with this piece's)."""
+
     text: str
+    logprobs: tuple[TokenLogprob, ...] = ()
+
+
+@dataclass(frozen=True)
+class PromptLogprobs:
+    """The prompt's own token entries (a text completion's `echo` with `logprobs`), before
+    the reply's first delta."""
+
+    entries: tuple[TokenLogprob, ...]
 
 
 @dataclass(frozen=True)
@@ -63,4 +77,4 @@ class Failed:
     code: str = "internal_error"  # a problem code (docs/api.md)
 
 
-GenerationEvent = Union[TextDelta, ReasoningDelta, ReasoningEnd, ToolCall, Finished, Failed]
+GenerationEvent = Union[TextDelta, PromptLogprobs, ReasoningDelta, ReasoningEnd, ToolCall, Finished, Failed]

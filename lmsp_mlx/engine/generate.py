@@ -65,6 +65,8 @@ class GenerationParams:
     raw: bool = False  # a text completion: the sampled text as it is, no reasoning or calls read out of it
     ignore_eos: bool = False  # vLLM's: the end of turn is sampled like any token (benchmarks' fixed lengths)
     speculate: bool = True  # False: this request drafts nothing, whatever --speculate says (a request's extension)
+    logprobs: int | None = None  # each reply token's logprob and this many likeliest alternatives; None: none
+    prompt_logprobs: bool = False  # the prompt's own token logprobs too (text completions' echo)
 
 
 def prefill(lm: LoadedModel, tokens: list[int], cache: list, step: int, check: Callable[[int, int], None]) -> None:

@@ -7,6 +7,10 @@ project's tool prompt asks for (see `tools.py`). Text that could be the start of
 is held back until the next piece decides. A call that does not parse, or names a
 function the request did not offer, stays visible text and is logged: never a 500, never
 an invented call.
+
+Token logprobs ride along: the parser keeps the characters it has consumed (`_at`), so
+each visible piece knows where it lies in the sampled text, and a `LogprobLedger` hands
+out the entries of the tokens that wrote it (reasoning and call markup hand out none).
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from typing import Any, Callable
 
 from mlx_lm.tool_parsers import json_tools
 
+from ..protocol.logprobs import LogprobLedger
 from .events import ReasoningDelta, ReasoningEnd, TextDelta
 from .tools import tool_specs
 
@@ -63,10 +68,13 @@ class OutputParser:
     _fed: list[str] = field(default_factory=list)  # every piece, for the raw reasoning text
     _cut: bool = False  # finish(cut=True): the token limit ended the turn
     dropped: bool = False  # the cut dropped sampled text: the KV holds more than the reply shows
+    _at: int = 0  # characters fed before `_buf`
+    _ledger: LogprobLedger = field(default_factory=LogprobLedger)
 
-    def feed(self, piece: str) -> list:
+    def feed(self, piece: str, logprobs: tuple = ()) -> list:
         self._buf += piece
         self._fed.append(piece)
+        self._ledger.add(logprobs)
         return self._drain(final=False)
 
     def finish(self, cut: bool = False) -> list:
@@ -74,7 +82,10 @@ class OutputParser:
         (or a marker it had begun) is dropped: half a call is no reply, and its markup as
         text would be noise (the response is `incomplete` either way)."""
         self._cut = cut
-        return self._drain(final=True)
+        out = self._drain(final=True)
+        if rest := self._ledger.rest():  # tokens part of whose text was shown before markup
+            out.append(TextDelta("", rest))
+        return out
 
     def _markers(self) -> list[str]:
         if self.state == "reasoning":
@@ -95,23 +106,25 @@ class OutputParser:
                         return out
                     if close and self._cut:
                         log.info("the token limit cut a tool call (%d characters); dropped from the reply", len(self._buf))
-                        self._buf, self.dropped = "", True
+                        self._consume(len(self._buf))
+                        self.dropped = True
                         return out
                     if close:  # the model ended its turn inside a call: it stays text
                         log.warning("tool call not closed before the turn ended; kept as text")
-                        out.append(self._text(self.fmt.call[0] + self._buf))
-                        self._buf = ""
+                        out.append(self._text(self.fmt.call[0] + self._buf, self._at - len(self.fmt.call[0])))
+                        self._consume(len(self._buf))
                         return out
                     end = len(self._buf)  # formats without a closing marker end with the turn
-                body, self._buf = self._buf[:end], self._buf[end + len(close):]
-                self.state = "text"
+                body = self._buf[:end]
                 out += self._calls(body)
+                self._consume(end + len(close))
+                self.state = "text"
                 continue
             hits = [(i, m) for m in self._markers() if (i := self._buf.find(m)) >= 0]
             if hits:
                 i, marker = min(hits)
                 out.append(self._piece(self._buf[:i]))
-                self._buf = self._buf[i + len(marker):]
+                self._consume(i + len(marker))
                 if self.state == "reasoning":
                     self.state = "text"
                     if not self.visible:  # the turn opened with it: its raw text is a prefix of the turn
@@ -128,20 +141,27 @@ class OutputParser:
                 if begun := _held_back(self._buf, [self.fmt.call[0]]):
                     self._buf, self.dropped = self._buf[: len(self._buf) - begun], True
             out.append(self._piece(self._buf[: len(self._buf) - held]))
-            self._buf = self._buf[len(self._buf) - held:]
+            self._consume(len(self._buf) - held)
             return [e for e in out if e is not None]
 
+    def _consume(self, n: int) -> None:
+        self._buf = self._buf[n:]
+        self._at += n
+
     def _piece(self, text: str):
+        """`text`: the start of `_buf`."""
         if not text:
             return None
-        return ReasoningDelta(text) if self.state == "reasoning" else self._text(text)
+        return ReasoningDelta(text) if self.state == "reasoning" else self._text(text, self._at)
 
-    def _text(self, text: str) -> TextDelta:
+    def _text(self, text: str, at: int) -> TextDelta:
+        """Visible `text`, which is the sampled text from `at` on."""
         self.visible.append(text)
-        return TextDelta(text)
+        return TextDelta(text, self._ledger.shown(at, at + len(text)))
 
     def _calls(self, body: str) -> list:
         raw = self.fmt.call[0] + body + self.fmt.call[1]
+        at = self._at - len(self.fmt.call[0])  # the call's text as sampled, its markers included
         if (custom := self._custom_call(body)) is not None:
             self.visible.append(raw)
             return [custom]
@@ -163,7 +183,7 @@ class OutputParser:
                     result.append(ParsedCall(name, json.dumps(args, ensure_ascii=False)))
         except Exception as exc:  # any malformed call is the model's text, not an error
             log.warning("malformed tool call kept as text: %s: %.200s", exc, body)
-            return [self._text(raw)]
+            return [self._text(raw, at)]
         self.visible.append(raw)
         return result
 

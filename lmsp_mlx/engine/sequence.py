@@ -18,15 +18,18 @@ from __future__ import annotations
 
 import enum
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from time import perf_counter
 from typing import Callable
 
 import mlx.core as mx
 from mlx_lm.sample_utils import apply_top_k, apply_top_p
 
-from .events import Finished, GenerationEvent, TextDelta, Usage
+from mlx_lm.tokenizer_utils import BPEStreamingDetokenizer, SPMStreamingDetokenizer
+
+from .events import Finished, GenerationEvent, PromptLogprobs, TextDelta, Usage
 from .generate import LONG_PREFILL, GenerationParams, continue_after, prefill
+from .logprobs import TokenTexts, entry, prompt_entries
 from .loader import LoadedModel
 from .speculate import Drafting
 
@@ -260,6 +263,15 @@ class Sequence:
         if p.raw:
             continue_after(self.detokenizer, p.prompt[-1])
             self.skip = self.lm.special_token_ids  # as vLLM's skip_special_tokens
+        self.texts: TokenTexts | None = None  # each token's own text, where logprobs are asked for
+        self.unfinished: list = []  # entries of tokens that end inside a character, not yet sent
+        if p.logprobs is not None:
+            trims = isinstance(self.detokenizer, BPEStreamingDetokenizer) or \
+                isinstance(self.detokenizer, SPMStreamingDetokenizer) and self.detokenizer.trim_space
+            self.texts = TokenTexts(self.lm.tokenizer, before=p.prompt[-1:] if p.raw else [],
+                                    trim=trims and not p.raw, skip=self.skip)
+            if p.prompt_logprobs:  # scored in a pass of its own, before anything is sampled
+                self.emit(PromptLogprobs(tuple(prompt_entries(self.lm, p.prompt, p.logprobs))))
         self.reply: list[int] = []
         self.produced = 0
         self.began = perf_counter()
@@ -313,7 +325,7 @@ class Sequence:
 
     def take(self, logits: mx.array) -> None:
         """Sample from the logits (1, vocab) the step gave after `pending`, and stream the token."""
-        self.take_token(self.sampler(logits, self.reply))
+        self.take_token(self.sampler(logits, self.reply), logits)
 
     def draft(self, most: int) -> list[int]:
         """The tokens (at most `most`) this decode step may verify after `pending`: a draft
@@ -337,7 +349,7 @@ class Sequence:
             if greedy is None:
                 self.take(logits[j : j + 1])  # a token the budget forces is taken as in any step
             else:
-                self.take_token(self.sampler.taken(greedy[j]))
+                self.take_token(self.sampler.taken(greedy[j]), logits[j : j + 1])
             taken += 1
             hit = j < len(draft) and self.reply[-1] == draft[j]
             accepted += hit
@@ -346,8 +358,9 @@ class Sequence:
         self.drafting.settle(len(draft), accepted)
         return taken
 
-    def take_token(self, token: int) -> None:
-        """Stream `token`, drawn by `sample_rows` or `take` (already recorded by the sampler)."""
+    def take_token(self, token: int, row: mx.array | None = None) -> None:
+        """Stream `token`, drawn by `sample_rows` or `take` (already recorded by the sampler)
+        from `row`, its step's raw logits (1, vocab), which give its logprob where asked."""
         p = self.params
         self.sampled.append(token)
         self.reply.append(token)
@@ -358,7 +371,16 @@ class Sequence:
         self.produced += 1
         if token not in self.skip:
             self.detokenizer.add_token(token)
-        if piece := self.detokenizer.last_segment:
+        piece = self.detokenizer.last_segment
+        if self.texts is not None and row is not None:  # every token, so that the ledger sees each one's text
+            text = self.texts.add(token)
+            self.unfinished.append(entry(self.lm.tokenizer, row, token, text or "", p.logprobs))
+            if text is not None:  # the tokens of a split character go out with the one that ends it
+                self.emit(TextDelta(piece, tuple(self.unfinished)))
+                self.unfinished = []
+            elif piece:
+                self.emit(TextDelta(piece))
+        elif piece:
             self.emit(TextDelta(piece))
         if self.whole():
             return self._end("complete")
@@ -380,8 +402,13 @@ class Sequence:
         p = self.params
         if p.max_tokens > 0:
             self.detokenizer.finalize()
-            if piece := self.detokenizer.last_segment:
-                self.emit(TextDelta(piece))
+            held = ()
+            if self.unfinished:  # the reply ended inside a character: the last of them carries its text
+                last = self.unfinished[-1]
+                held = (*self.unfinished[:-1], replace(last, token=self.texts.flush()))
+                self.unfinished = []
+            if (piece := self.detokenizer.last_segment) or held:
+                self.emit(TextDelta(piece, held))
         if reason == "length" and p.constraint is not None and p.constraint.complete_after(self.reply):
             reason = "complete"  # a call or JSON value that closed on the limit's last token is whole
         self.cursor = len(p.prompt)

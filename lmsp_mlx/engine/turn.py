@@ -130,8 +130,8 @@ class TurnOutput:
         self._tail = ""  # the reply's last characters, enough to hold any stop sequence
         self._reasoning_end: int | None = None  # tokens sampled when the think block closed
 
-    def feed(self, piece: str) -> None:
-        self._send(self.parser.feed(piece))
+    def feed(self, piece: str, logprobs: tuple = ()) -> None:
+        self._send(self.parser.feed(piece, logprobs))
 
     def finish(self, cut: bool = False) -> None:
         """`cut`: the token limit ended the turn (OutputParser.finish)."""

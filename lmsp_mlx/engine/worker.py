@@ -12,7 +12,8 @@ arrives while the batch is full waits in the bounded queue; beyond it, `QueueFul
 
 Requests talk to it through `Job`s: the queue in, an asyncio queue of `GenerationEvent`s
 out (handed over with `call_soon_threadsafe`). On stop every sequence ends cancelled and
-the resident sessions are checkpointed.
+the resident sessions are checkpointed. Other MLX work on a loaded model (embeddings) runs
+on this thread too, between two steps, through `Engine.call`.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import queue
 import threading
 import time
 from dataclasses import dataclass, field, replace
-from typing import Callable
+from typing import Callable, TypeVar
 
 import mlx.core as mx
 
@@ -174,7 +175,8 @@ class EngineSnapshot:
     rank_memory: tuple[int, ...] = ()  # each rank's MLX active memory at its last reading (engine/lockstep.py)
 
 
-_WAKE = object()  # in the job queue: the worker has control work (an unload), not a job
+_WAKE = object()  # in the job queue: the worker has control work (an unload, a call), not a job
+T = TypeVar("T")
 # Seconds between the ticks of idle ranks. A rank that waits in a collective spins a core
 # (MLX's ring backend polls), so idle ranks do not wait in one: rank 0 waits this long for a
 # job, the others sleep it. A request that arrives while they sleep waits at most this.
@@ -194,6 +196,7 @@ class Engine:
         self._loads = threading.Lock()  # one model loads at a time: each checked against the memory left
         self._control: list[tuple[ModelSlot, asyncio.AbstractEventLoop, asyncio.Future]] = []  # unloads for the worker
         self._control_lock = threading.Lock()
+        self._calls: list[tuple[Callable[[], object], asyncio.AbstractEventLoop, asyncio.Future]] = []  # Engine.call
         self._jobs: queue.Queue[Job | None] = queue.Queue(maxsize=settings.max_queue)
         self.counters = Counters()
         self.max_batch = settings.max_batch
@@ -253,6 +256,43 @@ class Engine:
         except queue.Full:  # the worker is busy and reads the control list at its next step anyway
             pass
         await done
+
+    @property
+    def distributed(self) -> bool:
+        """The model is split over ranks: only the lockstep's own work runs on it."""
+        return self._lockstep is not None
+
+    async def call(self, fn: Callable[[], T]) -> T:
+        """Run `fn` on the worker thread between two steps, and give back what it returns
+        or raise what it raises: MLX work on a loaded model outside the batch (embeddings)
+        must not run beside a step on another thread."""
+        loop = asyncio.get_running_loop()
+        done = loop.create_future()
+        with self._control_lock:
+            self._calls.append((fn, loop, done))
+        try:
+            self._jobs.put_nowait(_WAKE)
+        except queue.Full:  # the worker is busy and runs the calls before its next step anyway
+            pass
+        return await done
+
+    def _run_calls(self) -> None:
+        with self._control_lock:
+            calls, self._calls = self._calls, []
+        for fn, loop, done in calls:
+            try:
+                result, error = fn(), None
+            except Exception as exc:  # the caller's to report; the worker goes on
+                result, error = None, exc
+
+            def settle(d=done, r=result, e=error) -> None:
+                if d.done():
+                    return
+                d.set_exception(e) if e is not None else d.set_result(r)
+            try:
+                loop.call_soon_threadsafe(settle)
+            except RuntimeError:  # the loop has closed
+                pass
 
     def listing(self) -> list[tuple[ModelSpec, ModelSlot | None]]:
         """Every model it can serve (engine/catalog.py), with its slot where it is loaded or
@@ -386,6 +426,7 @@ class Engine:
         while not (stopping and not self._active):
             self._beat = time.monotonic()
             self._unload_retired()
+            self._run_calls()
             if self._lockstep is None:
                 stopping = self._join_waiting(stopping)
             else:
@@ -615,7 +656,7 @@ class Engine:
 
         def emit(event: GenerationEvent) -> None:
             if isinstance(event, TextDelta):
-                turn.feed(event.text)
+                turn.feed(event.text, event.logprobs)
             else:
                 job.emit(event)
 

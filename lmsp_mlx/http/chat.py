@@ -16,6 +16,7 @@ from quart import Blueprint
 from ..protocol.chat import (ChatRequest, chat_param, chat_usage, chunk, completion, completion_id, parse_chat,
                              to_responses)
 from ..protocol.item_events import ChatDelta, chat_delta
+from ..protocol.logprobs import openai_entries
 from ..protocol.problems import Problem
 from ..protocol.sse import OpenResponsesEvents, data_frame
 from ..service.run import ResponseRun
@@ -58,29 +59,40 @@ class ChatReply:
         self.stopped = False  # by a stop sequence
         self.calls: list[dict[str, Any]] = []  # as they were sent
         self.reasoning: list[str] = []
+        self.logprobs: list[dict[str, Any]] | None = [] if chat.logprobs else None  # the content's entries
 
     async def deltas(self) -> AsyncIterator[dict[str, Any]]:
         """The choice's deltas (content, reasoning_content, tool_calls) until the turn ends
-        or a stop sequence: after that, the events left are drained unseen."""
+        or a stop sequence: after that, the events left are drained unseen. Where the
+        request asks for logprobs, a delta's `logprobs` holds the entries its content
+        finished (taken off before it is sent)."""
         async for e in self.run.events():
             if self.stopped:
                 continue
             delta = chat_delta(e)
             if delta is ChatDelta.CONTENT:  # the engine ends the turn on the token that completes a stop
-                text, self.stopped = self.scanner.feed(e.delta)
-                if text:
-                    yield {"content": text}
+                text, self.stopped = self.scanner.feed(e.delta, e.logprobs)
+                if text or self.scanner.logprobs:
+                    yield self._content(text)
             elif delta is ChatDelta.REASONING:  # stop sequences apply to the content only
                 self.reasoning.append(e.delta)
                 yield {"reasoning_content": e.delta}
             elif delta is ChatDelta.FLUSH:
-                if held := self.scanner.flush():
-                    yield {"content": held}
+                held = self.scanner.flush()
+                if held or self.scanner.logprobs:
+                    yield self._content(held)
             elif delta is ChatDelta.TOOL_CALL:
                 call = {"id": e.item.call_id, "type": "function",
                         "function": {"name": e.item.name, "arguments": e.item.arguments}}
                 self.calls.append(call)
                 yield {"tool_calls": [{"index": len(self.calls) - 1, **call}]}
+
+    def _content(self, text: str) -> dict[str, Any]:
+        if self.logprobs is None:
+            return {"content": text}
+        entries = openai_entries(self.scanner.logprobs)
+        self.logprobs += entries
+        return {"content": text, "logprobs": entries}
 
     def finish_reason(self) -> str:
         if self.stopped:
@@ -109,7 +121,7 @@ class ChatReply:
             raise problem
         text = "".join(content)
         return completion(self.id, self.run.response(), text if text or not self.calls else None,
-                          "".join(self.reasoning), self.calls, self.finish_reason())
+                          "".join(self.reasoning), self.calls, self.finish_reason(), self.logprobs)
 
     async def chunks(self) -> AsyncIterator[str]:
         """data: frames, as OpenAI streams them (no event names), ending with [DONE]."""
@@ -117,7 +129,8 @@ class ChatReply:
         nothing = None if usage else False  # with include_usage every chunk has `usage`, null until the last
 
         def data(delta: dict[str, Any] | None, finish: str | None = None, usage: Any = nothing) -> str:
-            return data_frame(chunk(self.id, self.run.created_at, self.chat.model, delta, finish, usage))
+            logprobs = delta.pop("logprobs", None) if delta else None
+            return data_frame(chunk(self.id, self.run.created_at, self.chat.model, delta, finish, usage, logprobs))
 
         try:
             yield data({"role": "assistant", "content": ""})

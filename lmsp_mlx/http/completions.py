@@ -8,6 +8,7 @@ from typing import Any, AsyncIterator
 from quart import Blueprint
 
 from ..protocol.completions import CompletionRequest, parse_completion, text_completion, usage
+from ..protocol.logprobs import completion_logprobs
 from ..protocol.problems import Problem
 from ..protocol.sse import OpenResponsesEvents, data_frame
 from ..service.text_run import TextRun
@@ -37,37 +38,66 @@ async def create_completion():
 
 
 class TextReply:
-    """A TextRun in OpenAI's text completion shape; `echo` puts the prompt first."""
+    """A TextRun in OpenAI's text completion shape; `echo` puts the prompt first, and with
+    `logprobs` its tokens' entries first (the text echoed is then their texts joined, the
+    prompt as the tokenizer reads it back, so that the entries join to the text exactly)."""
 
     def __init__(self, run: TextRun, req: CompletionRequest) -> None:
         self.run = run
         self.req = req
         self.id = run.id
         self.created = run.created
-        self.prefix = run.prompt_text if req.echo else ""
+        self.logprobs = req.logprobs is not None
+        self.offset = 0  # text_offset of the next token
+
+    def prefix(self) -> tuple[str, list]:
+        """The echoed prompt and its entries (known once the first piece has come)."""
+        if not self.req.echo:
+            return "", []
+        if self.logprobs:
+            entries = list(self.run.prompt_logprobs)
+            return "".join(e.token for e in entries), entries
+        return self.run.prompt_text, []
+
+    def _logprobs(self, entries: list) -> dict[str, Any] | None:
+        if not self.logprobs:
+            return None
+        out = completion_logprobs(entries, self.offset)
+        self.offset += sum(len(e.token) for e in entries)
+        return out
 
     def usage(self) -> dict[str, Any]:
         u = self.run.finished.usage
         return usage(u.input_tokens, u.output_tokens, u.cached_tokens)
 
     async def complete(self) -> dict[str, Any]:
-        text = "".join([piece async for piece in self.run.pieces()])
-        return text_completion(self.id, self.created, self.req.model, self.prefix + text, self.run.finish_reason(),
-                               self.usage())
+        pieces = [piece async for piece in self.run.pieces()]
+        text, entries = self.prefix()
+        text += "".join(t for t, _ in pieces)
+        entries += [e for _, es in pieces for e in es]
+        return text_completion(self.id, self.created, self.req.model, text, self.run.finish_reason(),
+                               self.usage(), logprobs=self._logprobs(entries))
 
     async def chunks(self) -> AsyncIterator[str]:
         """data: frames, as OpenAI streams them (no event names), ending with [DONE]."""
-        def data(text: str, finish: str | None = None) -> str:
-            return data_frame(text_completion(self.id, self.created, self.req.model, text, finish))
+        def data(text: str, finish: str | None = None, entries: list | None = None) -> str:
+            logprobs = self._logprobs(entries) if entries is not None else None
+            return data_frame(text_completion(self.id, self.created, self.req.model, text, finish, logprobs=logprobs))
 
-        if self.prefix:
-            yield data(self.prefix)
+        echoed = not self.req.echo
         try:
-            async for piece in self.run.pieces():
-                yield data(piece)
+            async for piece, entries in self.run.pieces():
+                if not echoed:  # the prompt's entries are known once the first piece has come
+                    echoed = True
+                    text, prompt = self.prefix()
+                    yield data(text, entries=prompt)
+                yield data(piece, entries=list(entries))
         except Problem as problem:
             yield data_frame({"error": problem.openai_error()})
         else:
+            if not echoed:  # nothing was generated (max_tokens 0): the prompt alone
+                text, prompt = self.prefix()
+                yield data(text, entries=prompt)
             yield data("", self.run.finish_reason())
             if self.req.stream_options and self.req.stream_options.include_usage:
                 chunk = text_completion(self.id, self.created, self.req.model, "", None, self.usage(), choices=False)

@@ -104,6 +104,7 @@ class ChatRequest(_Chat):
     tool_choice: Union[Literal["auto", "none", "required"], dict[str, Any]] | None = None
     response_format: dict[str, Any] | None = None
     logprobs: bool | None = None
+    top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None  # with logprobs: alternatives per token
     parallel_tool_calls: bool | None = None
     presence_penalty: Penalty | None = None
     frequency_penalty: Penalty | None = None
@@ -132,8 +133,8 @@ def parse_chat(body: Any) -> ChatRequest:
             problem.detail = STOPS_DETAIL
             problem.param = "stop"
         raise problem from None
-    if req.logprobs:
-        raise Problem("unsupported_capability", "logprobs are not returned by this server", param="logprobs")
+    if req.top_logprobs is not None and not req.logprobs:
+        raise Problem("invalid_request", "top_logprobs needs logprobs: true", param="top_logprobs")
     for legacy in ("functions", "function_call"):
         if getattr(req, legacy) is not None:
             raise Problem("invalid_request", f"{legacy} is the API's deprecated form of tools: send tools and "
@@ -183,6 +184,8 @@ def to_responses(req: ChatRequest) -> tuple[ResponsesRequest, list[int]]:
         "parallel_tool_calls": req.parallel_tool_calls, "chat_template_kwargs": req.chat_template_kwargs,
         "reasoning": {"effort": req.reasoning_effort} if req.reasoning_effort else None,
         "extensions": None if req.speculate is None else {"speculate": req.speculate},
+        "include": ["message.output_text.logprobs"] if req.logprobs else None,
+        "top_logprobs": req.top_logprobs,
     }
     return parse_request(body), origin
 
@@ -245,26 +248,31 @@ def chat_usage(resp: ResponseObject) -> dict[str, Any] | None:
 
 
 def completion(cid: str, resp: ResponseObject, content: str | None, reasoning: str,
-               calls: list[dict[str, Any]], finish_reason: str) -> dict[str, Any]:
-    """A `chat.completion` object with its one choice."""
+               calls: list[dict[str, Any]], finish_reason: str,
+               logprobs: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    """A `chat.completion` object with its one choice; `logprobs`: its content's entries,
+    where the request asked for them."""
     message: dict[str, Any] = {"role": "assistant", "content": content, "refusal": None}
     if reasoning:
         message["reasoning_content"] = reasoning
     if calls:
         message["tool_calls"] = calls
     return {"id": cid, "object": "chat.completion", "created": resp.created_at, "model": resp.model,
-            "choices": [{"index": 0, "message": message, "logprobs": None, "finish_reason": finish_reason}],
+            "choices": [{"index": 0, "message": message, "finish_reason": finish_reason,
+                         "logprobs": None if logprobs is None else {"content": logprobs, "refusal": None}}],
             "usage": chat_usage(resp), "system_fingerprint": None, "service_tier": "default"}
 
 
 def chunk(cid: str, created: int, model: str, delta: dict[str, Any] | None, finish_reason: str | None = None,
-          usage: Any = False) -> dict[str, Any]:
+          usage: Any = False, logprobs: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     """A `chat.completion.chunk`; `delta=None` is the usage chunk (no choices). `usage`:
-    False leaves it out, None or an object puts it in (`stream_options.include_usage`)."""
+    False leaves it out, None or an object puts it in (`stream_options.include_usage`).
+    `logprobs`: the entries of the tokens this chunk's content finished."""
     out: dict[str, Any] = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": model,
                            "system_fingerprint": None,
-                           "choices": [] if delta is None else [{"index": 0, "delta": delta, "logprobs": None,
-                                                                 "finish_reason": finish_reason}]}
+                           "choices": [] if delta is None else [{
+                               "index": 0, "delta": delta, "finish_reason": finish_reason,
+                               "logprobs": None if logprobs is None else {"content": logprobs, "refusal": None}}]}
     if usage is not False:
         out["usage"] = usage
     return out

@@ -27,7 +27,8 @@ class CompletionRequest(_Completions):
     model: str
     # One prompt: text, or token ids; OpenAI's batch forms are taken with one element.
     prompt: Union[str, TokenIds, Annotated[list[str], Field(min_length=1)], Annotated[list[TokenIds], Field(min_length=1)]]
-    max_tokens: Annotated[int, Field(ge=1)] = 16  # OpenAI's default
+    # OpenAI's default; 0 with echo scores the prompt alone (lm-eval-harness's loglikelihood).
+    max_tokens: Annotated[int, Field(ge=0)] = 16
     temperature: Temperature | None = None
     top_p: TopP | None = None
     n: Annotated[int, Field(ge=1, le=1)] | None = None
@@ -40,7 +41,7 @@ class CompletionRequest(_Completions):
     frequency_penalty: Penalty | None = None
     seed: Seed | None = None
     logit_bias: LogitBias | None = None
-    logprobs: Annotated[int, Field(ge=0, le=5)] | None = None  # refused: no logprobs here
+    logprobs: Annotated[int, Field(ge=0, le=20)] | None = None  # each token's logprob and this many alternatives
     suffix: str | None = None  # refused unless empty: no fill-in-the-middle here
     user: str | None = None
     ignore_eos: bool = False  # vLLM's extension, which `vllm bench serve` sends for fixed output lengths
@@ -74,8 +75,6 @@ def parse_completion(body: Any) -> CompletionRequest:
             problem.detail = STOPS_DETAIL
             problem.param = "stop"
         raise problem from None
-    if req.logprobs is not None:
-        raise Problem("unsupported_capability", "logprobs are not returned by this server", param="logprobs")
     if req.suffix:
         raise Problem("unsupported_capability", "suffix (fill in the middle) is not supported", param="suffix")
     req.one_prompt()
@@ -92,11 +91,13 @@ def usage(prompt_tokens: int, completion_tokens: int, cached: int) -> dict[str, 
 
 
 def text_completion(cid: str, created: int, model: str, text: str, finish_reason: str | None,
-                    use: dict[str, Any] | None = None, choices: bool = True) -> dict[str, Any]:
-    """A `text_completion` object, or a streamed chunk of one (`choices=False`: the usage chunk)."""
+                    use: dict[str, Any] | None = None, choices: bool = True,
+                    logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
+    """A `text_completion` object, or a streamed chunk of one (`choices=False`: the usage
+    chunk); `logprobs`: the choice's (`protocol/logprobs.completion_logprobs`)."""
     out: dict[str, Any] = {"id": cid, "object": "text_completion", "created": created, "model": model,
                            "system_fingerprint": None,
-                           "choices": [{"text": text, "index": 0, "logprobs": None, "finish_reason": finish_reason}]
+                           "choices": [{"text": text, "index": 0, "logprobs": logprobs, "finish_reason": finish_reason}]
                            if choices else []}
     if use is not None:
         out["usage"] = use

@@ -14,6 +14,7 @@ import enum
 from dataclasses import dataclass
 from typing import Any, Callable, Literal
 
+from .logprobs import TokenLogprob, openai_entries
 from .responses import (CustomToolCallOutput, FunctionCallOutput, MessageOutput, OutputItem, ReasoningOutput,
                         v1_item)
 
@@ -33,6 +34,7 @@ class ItemEvent:
     item: OutputItem
     delta: str = ""
     status: Literal["completed", "incomplete"] = "completed"  # of a done item: "incomplete" when the limit cut it
+    logprobs: tuple[TokenLogprob, ...] = ()  # of a text delta, where the request asked for them
 
 
 class ChatDelta(enum.Enum):
@@ -73,8 +75,8 @@ def _where(e: ItemEvent) -> dict[str, Any]:
     return {"item_id": e.item.id, "output_index": e.index}
 
 
-def _text_part(text: str) -> dict[str, Any]:
-    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+def _text_part(text: str, logprobs: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs or []}
 
 
 def _summary_part(text: str) -> dict[str, Any]:
@@ -118,8 +120,9 @@ def _summary_part_added(e: ItemEvent) -> Events:
 
 def _text_done(e: ItemEvent) -> Events:
     text = _text(e)
-    return [("response.output_text.done", {**_where(e), "content_index": 0, "text": text, "logprobs": []}),
-            ("response.content_part.done", {**_where(e), "content_index": 0, "part": _text_part(text)})]
+    logprobs = e.item.content[0].logprobs if e.item.content else None
+    return [("response.output_text.done", {**_where(e), "content_index": 0, "text": text, "logprobs": logprobs or []}),
+            ("response.content_part.done", {**_where(e), "content_index": 0, "part": _text_part(text, logprobs)})]
 
 
 def _summary_done(e: ItemEvent) -> Events:
@@ -134,11 +137,13 @@ def _input_done(e: ItemEvent) -> Events:
 
 # -- both ---------------------------------------------------------------------------------------
 def _text_delta(e: ItemEvent) -> Events:
-    return [(TEXT_DELTA, {**_where(e), "content_index": 0, "delta": e.delta})]
+    """LMSP's; with the `logprobs` extension, the delta's token entries in `logprobs`."""
+    fields = {**_where(e), "content_index": 0, "delta": e.delta}
+    return [(TEXT_DELTA, {**fields, "logprobs": openai_entries(e.logprobs)} if e.logprobs else fields)]
 
 
 def _text_delta_v1(e: ItemEvent) -> Events:
-    return [(TEXT_DELTA, {**_where(e), "content_index": 0, "delta": e.delta, "logprobs": []})]
+    return [(TEXT_DELTA, {**_where(e), "content_index": 0, "delta": e.delta, "logprobs": openai_entries(e.logprobs)})]
 
 
 def _summary_delta(e: ItemEvent) -> Events:

@@ -289,6 +289,9 @@ class Extensions(BaseModel):
 
     model_config = ConfigDict(extra="allow", strict=True)
     speculate: bool | None = None  # false: this request drafts no tokens, whatever --speculate says
+    # Each reply token's logprob with this many likeliest alternatives (protocol/logprobs.py):
+    # text deltas and the message's text part carry `logprobs`.
+    logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
 
 
 # OpenAI's limits: 16 pairs, keys up to 64 characters, values up to 512.
@@ -335,8 +338,18 @@ class ResponsesRequest(_Strict):
     generate: bool | None = None
     conversation: Any = None  # OpenAI's Conversations API, not served: refused (run.check_capabilities)
     prompt: Any = None  # OpenAI's stored prompts: refused too
-    top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None  # above 0: refused (no logprobs here)
+    top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None  # alternatives per token; turns logprobs on
     background: bool | None = None  # /v1: run as a task the client polls (lmsp_mlx/http/responses.py)
+
+    def logprobs(self) -> int | None:
+        """How many alternatives each reply token's logprob comes with, where the request
+        asks for logprobs (/v1's `include: ["message.output_text.logprobs"]` or
+        `top_logprobs`, LMSP's `extensions.logprobs`); None where it does not."""
+        if self.extensions and self.extensions.logprobs is not None:
+            return self.extensions.logprobs
+        if "message.output_text.logprobs" in (self.include or []) or self.top_logprobs:
+            return self.top_logprobs or 0
+        return None
 
     def items(self) -> list[InputItem]:
         if isinstance(self.input, str):

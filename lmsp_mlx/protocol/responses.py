@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Literal, Union
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, model_serializer
 
 from .requests import ReasoningSettings
 
@@ -12,8 +12,19 @@ Status = Literal["in_progress", "completed", "incomplete", "failed", "cancelled"
 
 
 class OutputTextPart(BaseModel):
+    """`logprobs`: the text's token entries (protocol/logprobs.py `openai_entries`), only
+    where the request asked for them; otherwise the part has no such field."""
+
     type: Literal["output_text"] = "output_text"
     text: str
+    logprobs: list[dict[str, Any]] | None = None
+
+    @model_serializer(mode="wrap")
+    def _dump(self, handler) -> dict[str, Any]:
+        out = handler(self)
+        if self.logprobs is None:
+            out.pop("logprobs", None)
+        return out
 
 
 class MessageOutput(BaseModel):
@@ -115,7 +126,8 @@ def v1_item(item: OutputItem, status: str) -> dict[str, Any]:
         "role": "assistant",
         "status": status,
         "content": [
-            {"type": "output_text", "text": part.text, "annotations": [], "logprobs": []} for part in item.content
+            {"type": "output_text", "text": part.text, "annotations": [], "logprobs": part.logprobs or []}
+            for part in item.content
         ],
     }
 

@@ -12,6 +12,7 @@ from typing import Callable, Literal
 from ..engine.events import ReasoningDelta, ReasoningEnd, TextDelta, ToolCall
 from ..protocol.ids import new_id
 from ..protocol.item_events import ItemEvent, ItemKind
+from ..protocol.logprobs import TokenLogprob, openai_entries
 from ..protocol.responses import (
     CustomToolCallOutput,
     FunctionCallOutput,
@@ -27,16 +28,19 @@ class ItemFolder:
     """`seal(raw)`, when given, makes a reasoning item's `encrypted_content` from the raw
     reasoning text the KV holds."""
 
-    def __init__(self, seal: Callable[[str], str] | None = None) -> None:
+    def __init__(self, seal: Callable[[str], str] | None = None, logprobs: bool = False) -> None:
         self.seal = seal
+        self.logprobs = logprobs  # a message's text part carries its token entries
         self.items: list[OutputItem] = []
         self._open: int | None = None
         self._parts: list[str] = []
+        self._entries: list[TokenLogprob] = []  # the open message's
         self._held = ""  # whitespace waiting for more text
+        self._held_entries: tuple[TokenLogprob, ...] = ()
 
     def feed(self, event) -> list[ItemEvent]:
         if isinstance(event, TextDelta):
-            return self._delta(MessageOutput, ItemKind.TEXT, event.text)
+            return self._delta(MessageOutput, ItemKind.TEXT, event.text, event.logprobs)
         if isinstance(event, ReasoningDelta):
             return self._delta(ReasoningOutput, ItemKind.REASONING, event.text)
         if isinstance(event, ReasoningEnd):
@@ -59,11 +63,12 @@ class ItemFolder:
                           ItemEvent(ItemKind.DONE, i, item)]
         return []
 
-    def _delta(self, kind: type, name: ItemKind, text: str) -> list[ItemEvent]:
+    def _delta(self, kind: type, name: ItemKind, text: str, logprobs: tuple[TokenLogprob, ...] = ()) -> list[ItemEvent]:
         out: list[ItemEvent] = []
         if self._open is None or not isinstance(self.items[self._open], kind):
-            if not text.strip():  # nothing to show yet
+            if not text.strip():  # nothing to show yet (whitespace dropped before another item takes its tokens)
                 self._held += text
+                self._held_entries += logprobs
                 return out
             out += self.close()
             item = (MessageOutput(id=new_id("msg"), content=[]) if kind is MessageOutput
@@ -72,23 +77,25 @@ class ItemFolder:
             self._open = len(self.items) - 1
             out.append(ItemEvent(ItemKind.ADDED, self._open, item))
             text, self._held = self._held + text, ""
+            logprobs, self._held_entries = self._held_entries + logprobs, ()
         self._parts.append(text)
-        out.append(ItemEvent(name, self._open, self.items[self._open], text))
+        self._entries += logprobs
+        out.append(ItemEvent(name, self._open, self.items[self._open], text, logprobs=logprobs))
         return out
 
     def close(self, ensure_message: bool = False, status: Literal["completed", "incomplete"] = "completed") -> list[ItemEvent]:
         """End the open item; at the turn's end (`ensure_message`) a reply with no item at
         all still gets an (empty) message. `status`: how the turn ended for the item it
         cuts ("incomplete" at the token limit)."""
-        self._held = ""
+        self._held, self._held_entries = "", ()
         out: list[ItemEvent] = []
         if self._open is not None:
             i = self._open
-            item = self.items[i] = _with_text(self.items[i], "".join(self._parts))
-            self._open, self._parts = None, []
+            item = self.items[i] = _with_text(self.items[i], "".join(self._parts), self._logprobs())
+            self._open, self._parts, self._entries = None, [], []
             out.append(ItemEvent(ItemKind.DONE, i, item, status=status))
         if ensure_message and not self.items:
-            item = MessageOutput(id=new_id("msg"), content=[OutputTextPart(text="")])
+            item = MessageOutput(id=new_id("msg"), content=[OutputTextPart(text="", logprobs=self._logprobs())])
             self.items.append(item)
             out += [ItemEvent(ItemKind.ADDED, 0, item.model_copy(update={"content": []})),
                     ItemEvent(ItemKind.DONE, 0, item, status=status)]
@@ -98,12 +105,16 @@ class ItemFolder:
         """The items so far, the open one with its text so far (for in-progress objects)."""
         items = list(self.items)
         if self._open is not None:
-            items[self._open] = _with_text(items[self._open], "".join(self._parts))
+            items[self._open] = _with_text(items[self._open], "".join(self._parts), self._logprobs())
         return items
 
+    def _logprobs(self) -> list[dict] | None:
+        return openai_entries(self._entries) if self.logprobs else None
 
-def _with_text(item: OutputItem, text: str) -> OutputItem:
-    """A message or reasoning item holding `text` as its one part."""
+
+def _with_text(item: OutputItem, text: str, logprobs: list[dict] | None = None) -> OutputItem:
+    """A message or reasoning item holding `text` as its one part (a message's with its
+    token entries, where they were asked for)."""
     if isinstance(item, MessageOutput):
-        return item.model_copy(update={"content": [OutputTextPart(text=text)]})
+        return item.model_copy(update={"content": [OutputTextPart(text=text, logprobs=logprobs)]})
     return item.model_copy(update={"summary": [SummaryText(text=text)]})

@@ -14,19 +14,25 @@ import asyncio
 import time
 from typing import AsyncIterator
 
-from ..engine.events import Finished, GenerationEvent, TextDelta
+from ..engine.events import Finished, GenerationEvent, PromptLogprobs, TextDelta
 from ..engine.generate import GenerationParams
 from ..engine.loader import LoadedModel
 from ..engine.worker import Engine
 from ..protocol.completions import CompletionRequest, completion_id
+from ..protocol.logprobs import TokenLogprob
 from ..protocol.problems import Problem
 from .stops import StopScanner
 from .worker_run import WorkerRun, check_room, sampling
 
 
-class TextRun(WorkerRun[str]):
+Piece = tuple[str, tuple[TokenLogprob, ...]]  # text, and the entries of the tokens it finished
+
+
+class TextRun(WorkerRun[Piece]):
     """`start` encodes and queues the prompt; `pieces` is the text as it is sampled, cut
-    at a stop sequence, and `finished` the worker's Finished once it is done."""
+    at a stop sequence, with its token entries where `logprobs` asks for them, and
+    `finished` the worker's Finished once it is done. With `echo` and `logprobs`,
+    `prompt_logprobs` holds the prompt's own entries before the first piece."""
 
     def __init__(self, engine: Engine, req: CompletionRequest, prefill_step: int) -> None:
         super().__init__(engine, completion_id(), req.model)
@@ -38,16 +44,22 @@ class TextRun(WorkerRun[str]):
         self.stopped = False  # by a stop sequence
         self.prompt_text = ""
         self.finished: Finished | None = None
+        self.prompt_logprobs: tuple[TokenLogprob, ...] = ()
 
     async def start(self) -> TextRun:
         """Lease (and load) the model, encode the prompt, queue the job; a refusal lets the model go."""
         try:
             lm = await self.lease()
+            if "text" not in lm.capabilities:
+                raise Problem("unsupported_capability", f"{self.req.model!r} is an embedding model: it serves "
+                              "/v1/embeddings only", param="model")
             tokens, self.prompt_text = await asyncio.to_thread(_encode, lm, self.req.one_prompt())
             room = check_room(len(tokens), lm.context_length, "prompt")
             params = GenerationParams(prompt=tokens, max_tokens=min(self.req.max_tokens, room),
                                       prefill_step=self.prefill_step, stop=tuple(self.req.stops()), raw=True,
                                       ignore_eos=self.req.ignore_eos, speculate=self.req.speculate is not False,
+                                      logprobs=self.req.logprobs,
+                                      prompt_logprobs=self.req.echo and self.req.logprobs is not None,
                                       **sampling(self.req, lm.vocab_size))
         except BaseException:
             self.close()
@@ -55,17 +67,21 @@ class TextRun(WorkerRun[str]):
         self._submit(params, "completions", text=self.prompt_text)
         return self
 
-    def _fold(self, event: GenerationEvent) -> list[str]:
+    def _fold(self, event: GenerationEvent) -> list[Piece]:
+        if isinstance(event, PromptLogprobs):
+            self.prompt_logprobs = event.entries
         if isinstance(event, TextDelta) and not self.stopped:
-            piece, self.stopped = self.scanner.feed(event.text)
-            return [piece] if piece else []
+            piece, self.stopped = self.scanner.feed(event.text, event.logprobs)
+            return [(piece, self.scanner.logprobs)] if piece or self.scanner.logprobs else []
         if isinstance(event, Finished):
             self.finished = event
-            held = self.scanner.flush() if not self.stopped else ""
-            return [held] if held else []
+            if self.stopped:
+                return []
+            held = self.scanner.flush()
+            return [(held, self.scanner.logprobs)] if held or self.scanner.logprobs else []
         return []
 
-    async def pieces(self) -> AsyncIterator[str]:
+    async def pieces(self) -> AsyncIterator[Piece]:
         """The completion's text; a failure or a shutdown ends it with a Problem."""
         try:
             async for piece in self.events():

@@ -1,0 +1,99 @@
+"""Log probabilities of sampled and prompt tokens (the distribution is stated in
+protocol/logprobs.py: the model's raw logits, log-softmaxed).
+
+Each token's own text comes from `TokenTexts`, not from the streaming detokenizer: that
+one flushes a word only when the next begins, so its pieces do not line up with tokens.
+`TokenTexts` decodes a short window of the last tokens, as vLLM's incremental detokenizer
+does, and gives each token the text it added. Joined, the texts are the reply's text (the
+first word's leading space dropped where the reply's detokenizer drops it), which is what
+lets the protocol's ledger hand each token out with the text it wrote.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+from mlx_lm.models.cache import make_prompt_cache
+
+from ..protocol.logprobs import TokenLogprob
+from .loader import LoadedModel
+
+WINDOW = 6  # tokens decoded before the new one: enough for a character split over several byte tokens
+
+
+class TokenTexts:
+    """The text each token adds to those before it. `before`: tokens the text continues
+    (the prompt's last, for a text completion), whose own text is not given out. `trim`:
+    the reply's first text loses a leading space, as mlx-lm's detokenizers do for a chat
+    turn. `skip`: tokens with no text (a text completion's special tokens)."""
+
+    def __init__(self, tokenizer, before: list[int] = (), trim: bool = False, skip: frozenset[int] = frozenset()):
+        self.tokenizer = tokenizer
+        self.tokens = list(before)
+        self.read = len(self.tokens)  # tokens whose text has been given out
+        self.trim = trim
+        self.skip = skip
+
+    def add(self, token: int) -> str | None:
+        """The text `token` adds, or None while it ends inside a character (its text then
+        comes with the token that finishes the character, or from `flush`)."""
+        if token in self.skip:
+            return ""
+        self.tokens.append(token)
+        return self._new(final=False)
+
+    def flush(self) -> str:
+        """At the reply's end: the text of tokens still unfinished, as the detokenizer's
+        own end gives it (an unfinished character as U+FFFD)."""
+        return self._new(final=True) or ""
+
+    def _new(self, final: bool) -> str | None:
+        start = max(0, self.read - WINDOW)
+        known = self.tokenizer.decode(self.tokens[start:self.read])
+        text = self.tokenizer.decode(self.tokens[start:])
+        if not final and (len(text) <= len(known) or text.endswith("\ufffd")):
+            return None
+        new = text[len(known):]
+        self.tokens = self.tokens[-WINDOW:]
+        self.read = len(self.tokens)
+        if self.trim and new:
+            new, self.trim = (new[1:] if new.startswith(" ") else new), False
+        return new
+
+
+def entry(tokenizer, row: mx.array, token: int, text: str, top: int) -> TokenLogprob:
+    """`token`'s entry from its step's raw logits `row` (1, vocab), with the `top` likeliest."""
+    lp = row[0].astype(mx.float32)
+    lp = lp - mx.logsumexp(lp)
+    if not top:
+        return TokenLogprob(text, lp[token].item())
+    ids = mx.argpartition(-lp, top - 1)[:top]
+    chosen, values = lp[token], lp[ids]
+    mx.eval(chosen, ids, values)
+    ranked = sorted(zip(ids.tolist(), values.tolist()), key=lambda p: -p[1])
+    return TokenLogprob(text, chosen.item(), tuple((tokenizer.decode([i]), v) for i, v in ranked))
+
+
+def prompt_entries(lm: LoadedModel, tokens: list[int], top: int, chunk: int = 256) -> list[TokenLogprob]:
+    """Every prompt token's entry, for text completions' `echo`: the log probability of each
+    token after those before it (the first has none: nan), from a pass of its own over a
+    cache of its own, so that it does not depend on what the KV pool held. Each chunk's
+    rows are ranked together, with one sync."""
+    texts = TokenTexts(lm.tokenizer, skip=lm.special_token_ids)
+    out = [TokenLogprob(texts.add(tokens[0]) or "", float("nan"), prompt=True)]
+    cache = make_prompt_cache(lm.model)
+    for start in range(0, len(tokens) - 1, chunk):
+        logits = lm.runner.forward(mx.array([tokens[start:start + chunk]]), cache)[0].astype(mx.float32)
+        targets = tokens[start + 1:start + chunk + 1]
+        lp = logits[:len(targets)]
+        lp = lp - mx.logsumexp(lp, axis=-1, keepdims=True)
+        chosen = mx.take_along_axis(lp, mx.array(targets)[:, None], axis=-1)[:, 0]
+        ids = mx.argpartition(-lp, top - 1, axis=-1)[:, :top] if top else mx.zeros((len(targets), 0), mx.int32)
+        values = mx.take_along_axis(lp, ids, axis=-1)
+        mx.eval(chosen, ids, values)
+        for t, c, row_ids, row_values in zip(targets, chosen.tolist(), ids.tolist(), values.tolist()):
+            ranked = sorted(zip(row_ids, row_values), key=lambda p: -p[1])
+            out.append(TokenLogprob(texts.add(t) or "", c, tuple((lm.tokenizer.decode([i]), v) for i, v in ranked),
+                                    prompt=True))
+    if rest := texts.flush():  # the prompt ends inside a character
+        out[-1] = TokenLogprob(out[-1].token + rest, out[-1].logprob, out[-1].top, prompt=True)
+    return out
