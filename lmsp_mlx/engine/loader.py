@@ -20,6 +20,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from .distributed import DistributedError, Ranks
+from .embed import EmbeddingSpec, embedding_spec
 from .render import apply_template, with_template_args
 
 if TYPE_CHECKING:
@@ -54,6 +55,7 @@ class LoadedModel:
     default_max_output_tokens: int | None = None  # --max-output-tokens: a request's limit when it sets none
     adapter: Path | None = None  # the LoRA adapter fused into its weights (--adapter-path)
     vocab_size: int | None = None  # its embedding rows (its logits' width): every token id is below it
+    embedding: EmbeddingSpec | None = None  # a dedicated embedding model's pooling (engine/embed.py); it then only embeds
 
 
     def describe(self) -> dict[str, Any]:
@@ -308,6 +310,11 @@ def load_model(path: Path, *, model_id: str | None = None, ctx: int | None = Non
     added = getattr(tokenizer, "added_tokens_decoder", None) or {}
     special = set(getattr(tokenizer, "all_special_ids", None) or ()) | {i for i, t in added.items()
                                                                          if getattr(t, "special", False)}
+    capabilities = CAPABILITIES + (("reasoning",) if getattr(tokenizer, "has_thinking", False) else ()) + ("embeddings",)
+    if (embedding := embedding_spec(path)) is not None:
+        log.info("%s is an embedding model (sentence-transformers layout: %s pooling%s): it serves embeddings only",
+                 name, embedding.pooling, ", normalised" if embedding.normalize else "")
+        capabilities = ("embeddings",)
     return LoadedModel(
         id=name,
         path=path,
@@ -319,7 +326,8 @@ def load_model(path: Path, *, model_id: str | None = None, ctx: int | None = Non
         backend=backend,
         eos_token_ids=frozenset(eos),
         special_token_ids=frozenset(special),
-        capabilities=CAPABILITIES + (("reasoning",) if getattr(tokenizer, "has_thinking", False) else ()),
+        capabilities=capabilities,
+        embedding=embedding,
         fingerprint=fingerprint(path, f"{backend}:{quantization}", adapter),
         adapter=adapter,
         vocab_size=int(text["vocab_size"]) if text.get("vocab_size") else None,

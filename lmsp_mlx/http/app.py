@@ -18,7 +18,7 @@ from ..engine.worker import QueueFull
 from ..protocol.problems import Problem
 from ..service.lifecycle import Lifecycle
 from ..service.state import ServerState
-from . import chat, completions, lmsp, messages, metrics, responses
+from . import chat, completions, embeddings, lmsp, messages, metrics, responses
 from .auth import authorize
 from .context import STATE
 from .origins import Origins
@@ -38,7 +38,7 @@ def create_app(state: ServerState) -> Quart:
     # Generations can outlast Quart's default 60 s response timeout; disconnects end them instead.
     app.config["RESPONSE_TIMEOUT"] = None
     app.extensions[STATE] = state
-    for module in (lmsp, responses, chat, completions, messages, metrics):
+    for module in (lmsp, responses, chat, completions, embeddings, messages, metrics):
         app.register_blueprint(module.bp)
     lifecycle = Lifecycle(state)
     app.before_serving(lifecycle.begin)

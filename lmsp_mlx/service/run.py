@@ -39,6 +39,9 @@ log = logging.getLogger("lmsp_mlx.server")
 
 def check_capabilities(req: ResponsesRequest, capabilities: tuple[str, ...]) -> None:
     """400 `unsupported_capability` for what this model/service cannot do (yet)."""
+    if "text" not in capabilities:
+        raise Problem("unsupported_capability", f"{req.model!r} is an embedding model: it serves /v1/embeddings "
+                      "only", param="model")
     fmt = req.response_format
     if fmt is None and req.text and isinstance(req.text.get("format"), dict):
         fmt_type, where = req.text["format"].get("type", "text"), "text.format"
@@ -50,9 +53,6 @@ def check_capabilities(req: ResponsesRequest, capabilities: tuple[str, ...]) -> 
             f"response_format {fmt_type!r} needs the 'structured_output' capability this model lacks",
             param=where,
         )
-    if req.top_logprobs or "message.output_text.logprobs" in (req.include or []):
-        raise Problem("unsupported_capability", "logprobs are not returned by this server",
-                      param="top_logprobs" if req.top_logprobs else "include")
     if req.prompt is not None:
         raise Problem("unsupported_capability", "stored prompts (prompt) are not served here: send the instructions "
                       "and input themselves", param="prompt")
@@ -96,7 +96,8 @@ class ResponseRun(WorkerRun[ItemEvent]):
         # Anthropic's thinking blocks always carry their signature; /v1 seals on request.
         sealed = route == "messages" or route == "v1" and "reasoning.encrypted_content" in (req.include or [])
         self.purpose = seal_purpose(route)
-        self.folder = ItemFolder(seal=(lambda raw: self.sealer.seal(self.purpose, {"raw": raw})) if sealed else None)
+        self.folder = ItemFolder(seal=(lambda raw: self.sealer.seal(self.purpose, {"raw": raw})) if sealed else None,
+                                 logprobs=req.logprobs() is not None)
         self.usage: ResponseUsage | None = None
         self.incomplete_reason: str | None = None
         self.limited_by_context = False
@@ -169,6 +170,7 @@ class ResponseRun(WorkerRun[ItemEvent]):
             stop=self.stop,
             reasoning_budget=self.req.reasoning.budget_tokens if self.req.reasoning else None,
             speculate=not (self.req.extensions and self.req.extensions.speculate is False),
+            logprobs=self.req.logprobs(),
             **sampling(self.req, lm.vocab_size),
         )
         self._submit(params, self.route, text=prompt.text, conv=conv, visible=visible, keep_history=self.compacted)

@@ -58,6 +58,27 @@ def sampling(req: Any, vocab: int | None) -> dict[str, Any]:
     }
 
 
+async def acquire(engine: Engine, model: str) -> ModelSlot:
+    """`model`'s slot, loaded (on demand: engine/models.py), to give back with
+    `engine.release`; 404 for a model not served here, 507 where it cannot fit, 503 where
+    its load failed."""
+    try:
+        return await engine.acquire(model)
+    except ModelNotFound:
+        catalog = engine.catalog
+        ids = [s.id for s in catalog.named] + [m.id for m in await asyncio.to_thread(catalog.listed)]
+        served = ", ".join(repr(i) for i in ids[:8]) + (f" and {len(ids) - 8} more" if len(ids) > 8 else "")
+        raise Problem("model_not_found", f"model {model!r} is not served here; served: {served} "
+                      "(GET /v1/models lists them; --model-alias maps other names onto them)",
+                      param="model") from None
+    except NotEnoughMemory as exc:
+        raise Problem("insufficient_memory", str(exc), param="model") from None
+    except NoModelRoom as exc:
+        raise Problem("model_limit_reached", str(exc), param="model") from None
+    except ModelLoadError as exc:
+        raise Problem("model_load_failed", str(exc), param="model") from None
+
+
 class WorkerRun(Generic[Out]):
     """A job on the worker and the task that folds its events into `Out`s (`_fold`)."""
 
@@ -75,25 +96,10 @@ class WorkerRun(Generic[Out]):
         self._pump: asyncio.Task | None = None  # held: the loop keeps only weak references to tasks
 
     async def lease(self) -> LoadedModel:
-        """The request's model, loaded (on demand: engine/models.py) and held until `close`;
-        404 for a model not served here, 507 where it cannot fit, 503 where its load failed."""
+        """The request's model, loaded (on demand: engine/models.py) and held until `close`."""
         if self.slot is None:
-            try:
-                self.slot = await self.engine.acquire(self.model)
-                self._lm = self.slot.lm
-            except ModelNotFound:
-                catalog = self.engine.catalog
-                ids = [s.id for s in catalog.named] + [m.id for m in await asyncio.to_thread(catalog.listed)]
-                served = ", ".join(repr(i) for i in ids[:8]) + (f" and {len(ids) - 8} more" if len(ids) > 8 else "")
-                raise Problem("model_not_found", f"model {self.model!r} is not served here; served: {served} "
-                              "(GET /v1/models lists them; --model-alias maps other names onto them)",
-                              param="model") from None
-            except NotEnoughMemory as exc:
-                raise Problem("insufficient_memory", str(exc), param="model") from None
-            except NoModelRoom as exc:
-                raise Problem("model_limit_reached", str(exc), param="model") from None
-            except ModelLoadError as exc:
-                raise Problem("model_load_failed", str(exc), param="model") from None
+            self.slot = await acquire(self.engine, self.model)
+            self._lm = self.slot.lm
         return self.slot.lm
 
     @property

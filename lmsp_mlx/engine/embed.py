@@ -1,0 +1,100 @@
+"""Embeddings: one vector per input, pooled from the model body's last hidden states.
+
+Two kinds of model embed:
+- a dedicated embedding model: a checkpoint in the sentence-transformers layout says how it
+  pools (`1_Pooling/config.json`) and whether it normalises (a `Normalize` module in
+  `modules.json`). Qwen3-Embedding is one: mlx-lm's qwen3 body, the last token's state,
+  normalised. Such a model serves embeddings only.
+- any served language model: its body's states averaged over the input's tokens, then
+  L2-normalised (`LM_POOLING`). This is what llama-server and Ollama give for a chat model;
+  it is good for similarity between texts, not a trained retrieval embedding.
+
+The body is causal, so inputs of a batch are padded on the right: a real token never
+attends to the padding after it, and each input's vector is what it would be alone.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+import mlx.core as mx
+import mlx.nn as nn
+
+log = logging.getLogger("lmsp_mlx.engine")
+
+Pooling = Literal["mean", "last", "cls"]
+
+
+@dataclass(frozen=True)
+class EmbeddingSpec:
+    pooling: Pooling
+    normalize: bool
+
+
+LM_POOLING = EmbeddingSpec("mean", normalize=True)  # a language model's, where it states none
+BATCH_TOKENS = 4096  # padded tokens per forward: a batch of embeddings holds the decode steps no longer
+
+
+def embedding_spec(path: Path) -> EmbeddingSpec | None:
+    """The pooling a sentence-transformers checkpoint states, or None for a plain language model."""
+    pooling = path / "1_Pooling" / "config.json"
+    if not pooling.is_file():
+        return None
+    cfg = json.loads(pooling.read_text())
+    mode: Pooling = "last" if cfg.get("pooling_mode_lasttoken") else "cls" if cfg.get("pooling_mode_cls_token") \
+        else "mean"
+    modules = path / "modules.json"
+    normalize = modules.is_file() and any("Normalize" in str(m.get("type", "")) for m in json.loads(modules.read_text()))
+    return EmbeddingSpec(mode, normalize)
+
+
+# Where mlx-lm's models keep their body (embeddings and layers, the final norm, no head):
+# most at `model`; a multimodal checkpoint's text model under `language_model` (Qwen3.5);
+# Nemotron-H at `backbone`.
+BODY_PATHS = (("model",), ("language_model", "model"), ("backbone",))
+
+
+def body_of(model: nn.Module) -> nn.Module:
+    """The model's body, by the paths mlx-lm's models use; a model with none cannot embed."""
+    for path in BODY_PATHS:
+        node = model
+        for key in path:
+            node = node.get(key) if isinstance(node, nn.Module) else None
+        if isinstance(node, nn.Module):
+            return node
+    raise ValueError(f"{type(model).__module__} keeps its body where embeddings cannot find it")
+
+
+def batches(inputs: list[list[int]]) -> list[list[int]]:
+    """Indices of `inputs` grouped for one forward each, similar lengths together, each
+    within BATCH_TOKENS once padded (a longer input goes alone)."""
+    order = sorted(range(len(inputs)), key=lambda i: len(inputs[i]))
+    out: list[list[int]] = []
+    for i in order:
+        if out and len(inputs[i]) * (len(out[-1]) + 1) <= BATCH_TOKENS:
+            out[-1].append(i)
+        else:
+            out.append([i])
+    return out
+
+
+def embed(body, inputs: list[list[int]], spec: EmbeddingSpec) -> list[list[float]]:
+    """One vector per input from one forward of `body` (tokens (B, L) -> states (B, L, dim))."""
+    longest = max(len(t) for t in inputs)
+    padded = mx.array([t + [0] * (longest - len(t)) for t in inputs])
+    states = body(padded).astype(mx.float32)
+    lengths = mx.array([len(t) for t in inputs])
+    if spec.pooling == "mean":
+        mask = (mx.arange(longest)[None, :] < lengths[:, None]).astype(mx.float32)[..., None]
+        pooled = (states * mask).sum(axis=1) / lengths[:, None].astype(mx.float32)
+    elif spec.pooling == "last":
+        pooled = mx.take_along_axis(states, (lengths - 1)[:, None, None], axis=1)[:, 0, :]
+    else:
+        pooled = states[:, 0, :]
+    if spec.normalize:
+        pooled = pooled / mx.maximum(mx.linalg.norm(pooled, axis=-1, keepdims=True), 1e-12)
+    return pooled.tolist()
