@@ -18,7 +18,7 @@ from ..engine.worker import QueueFull
 from ..protocol.problems import Problem
 from ..service.lifecycle import Lifecycle
 from ..service.state import ServerState
-from . import chat, completions, embeddings, lmsp, messages, metrics, responses
+from . import chat, completions, embeddings, lmsp, messages, metrics, page, responses
 from .auth import authorize
 from .context import STATE
 from .origins import Origins
@@ -38,7 +38,7 @@ def create_app(state: ServerState) -> Quart:
     # Generations can outlast Quart's default 60 s response timeout; disconnects end them instead.
     app.config["RESPONSE_TIMEOUT"] = None
     app.extensions[STATE] = state
-    for module in (lmsp, responses, chat, completions, embeddings, messages, metrics):
+    for module in (lmsp, responses, chat, completions, embeddings, messages, metrics, page):
         app.register_blueprint(module.bp)
     lifecycle = Lifecycle(state)
     app.before_serving(lifecycle.begin)
@@ -60,7 +60,9 @@ def _probes(app: Quart, state: ServerState) -> None:
     @app.get("/")
     async def root():
         # Clients probe it before their first call (Claude Code sends HEAD /): a liveness
-        # answer, like /healthz, naming where the APIs are.
+        # answer, like /healthz, naming where the APIs are. A browser gets the chat page.
+        if page.wants_page():
+            return page.page()
         return {"service": "lmsp-mlx", "lmsp": "/lmsp/v1", "openai": "/v1", "anthropic": "/v1/messages"}
 
 
