@@ -34,7 +34,7 @@ def test_models_listing_reports_context_and_backend(client):
     model = models[0]  # the default; the model store's models follow, not loaded
     assert model["id"] == "tiny" and model["loaded"] is True and all(m["loaded"] is False for m in models[1:])
     assert model["context_length"] == 32768
-    assert model["capabilities"] == ["text", "tools", "structured_output", "conversations"]  # no <think> tags: no "reasoning"
+    assert model["capabilities"] == ["text", "tools", "structured_output", "conversations", "embeddings"]  # no <think> tags: no "reasoning"
     assert model["backend"] in ("cpu", "metal", "cuda")
     assert model["quantization"]
     if model["backend"] == "cpu" and sys.platform.startswith("linux"):

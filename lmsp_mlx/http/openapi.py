@@ -15,6 +15,7 @@ from quart import Quart
 from .. import LMSP_VERSION, __version__
 from ..protocol.chat import ChatRequest
 from ..protocol.completions import CompletionRequest
+from ..protocol.embeddings import EmbeddingRequest
 from ..protocol.messages import CountTokensRequest, MessagesRequest
 from ..protocol.problems import STATUS
 from ..protocol.requests import ResponsesRequest
@@ -25,7 +26,8 @@ _REF = "#/components/schemas/{model}"
 
 def _schemas() -> dict[str, Any]:
     schemas: dict[str, Any] = {}
-    for model in (ResponsesRequest, ResponseObject, ChatRequest, CompletionRequest, MessagesRequest, CountTokensRequest):
+    for model in (ResponsesRequest, ResponseObject, ChatRequest, CompletionRequest, EmbeddingRequest, MessagesRequest,
+                  CountTokensRequest):
         schema = model.model_json_schema(ref_template=_REF)
         schemas.update(schema.pop("$defs", {}))
         schemas[model.__name__] = schema
@@ -89,7 +91,7 @@ def _operation(app: Quart, endpoint: str, method: str, path: str) -> dict[str, A
             "/lmsp/v1/responses/compact": "ResponsesRequest", "/v1/responses/compact": "ResponsesRequest",
             "/lmsp/v1/tasks": "TaskCreate", "/v1/chat/completions": "ChatRequest",
             "/v1/completions": "CompletionRequest", "/v1/messages": "MessagesRequest",
-            "/v1/messages/count_tokens": "CountTokensRequest"}.get(path) if method == "post" else None
+            "/v1/messages/count_tokens": "CountTokensRequest", "/v1/embeddings": "EmbeddingRequest"}.get(path) if method == "post" else None
     if body:
         op["requestBody"] = {"required": True, "content": {"application/json": {"schema": {"$ref": _REF.format(model=body)}}}}
     op["responses"].update(_answers(method, path))

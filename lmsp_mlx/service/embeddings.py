@@ -26,13 +26,17 @@ async def create_embeddings(engine: Engine, req: EmbeddingRequest) -> dict:
     slot = await acquire(engine, req.model)
     try:
         lm = slot.lm
+        try:
+            body = body_of(lm.model)
+        except ValueError as exc:
+            raise Problem("unsupported_capability", f"{req.model!r} cannot embed: {exc}", param="model") from None
         inputs = await asyncio.to_thread(_tokens, lm, req)
         spec = lm.embedding or LM_POOLING
         began = time.perf_counter()
         vectors: list[list[float] | None] = [None] * len(inputs)
         groups = batches(inputs)
         for group in groups:  # one worker call each: decode steps of other requests run between them
-            out = await engine.call(lambda g=group: embed(body_of(lm.model), [inputs[i] for i in g], spec))
+            out = await engine.call(lambda g=group: embed(body, [inputs[i] for i in g], spec))
             for i, v in zip(group, out):
                 vectors[i] = v
     finally:
