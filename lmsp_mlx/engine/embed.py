@@ -1,6 +1,8 @@
 """Embeddings: one vector per input, pooled from the model body's last hidden states.
 
-Two kinds of model embed:
+Three kinds of model embed:
+- an encoder (BERT, RoBERTa, XLM-RoBERTa: engine/encoder.py), as its sentence-transformers
+  layout says (all-MiniLM-L6-v2: mean, normalised), else mean, normalised;
 - a dedicated embedding model: a checkpoint in the sentence-transformers layout says how it
   pools (`1_Pooling/config.json`) and whether it normalises (a `Normalize` module in
   `modules.json`). Qwen3-Embedding is one: mlx-lm's qwen3 body, the last token's state,
@@ -9,8 +11,9 @@ Two kinds of model embed:
   L2-normalised (`LM_POOLING`). This is what llama-server and Ollama give for a chat model;
   it is good for similarity between texts, not a trained retrieval embedding.
 
-The body is causal, so inputs of a batch are padded on the right: a real token never
-attends to the padding after it, and each input's vector is what it would be alone.
+Inputs of a batch are padded on the right: a decoder's real token never attends to the
+padding after it, and an encoder masks it out, so each input's vector is what it would be
+alone.
 """
 
 from __future__ import annotations
@@ -19,10 +22,12 @@ import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Callable, Literal
 
 import mlx.core as mx
 import mlx.nn as nn
+
+from .encoder import Encoder
 
 log = logging.getLogger("lmsp_mlx.engine")
 
@@ -69,6 +74,16 @@ def body_of(model: nn.Module) -> nn.Module:
     raise ValueError(f"{type(model).__module__} keeps its body where embeddings cannot find it")
 
 
+def states_of(model: nn.Module) -> Callable[[mx.array, mx.array], mx.array]:
+    """`(tokens (B, L), lengths (B,)) -> states (B, L, dim)` for a batch padded on the right:
+    an encoder masks the padding out of its attention; a decoder's causal attention already
+    keeps a real token from the padding after it."""
+    if isinstance(model, Encoder):
+        return model
+    body = body_of(model)
+    return lambda tokens, lengths: body(tokens)
+
+
 def batches(inputs: list[list[int]]) -> list[list[int]]:
     """Indices of `inputs` grouped for one forward each, similar lengths together, each
     within BATCH_TOKENS once padded (a longer input goes alone)."""
@@ -82,12 +97,12 @@ def batches(inputs: list[list[int]]) -> list[list[int]]:
     return out
 
 
-def embed(body, inputs: list[list[int]], spec: EmbeddingSpec) -> list[list[float]]:
-    """One vector per input from one forward of `body` (tokens (B, L) -> states (B, L, dim))."""
+def embed(states_fn, inputs: list[list[int]], spec: EmbeddingSpec) -> list[list[float]]:
+    """One vector per input from one forward (`states_of`), pooled as `spec` says."""
     longest = max(len(t) for t in inputs)
     padded = mx.array([t + [0] * (longest - len(t)) for t in inputs])
-    states = body(padded).astype(mx.float32)
     lengths = mx.array([len(t) for t in inputs])
+    states = states_fn(padded, lengths).astype(mx.float32)
     if spec.pooling == "mean":
         mask = (mx.arange(longest)[None, :] < lengths[:, None]).astype(mx.float32)[..., None]
         pooled = (states * mask).sum(axis=1) / lengths[:, None].astype(mx.float32)

@@ -20,7 +20,8 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from .distributed import DistributedError, Ranks
-from .embed import EmbeddingSpec, embedding_spec
+from .embed import LM_POOLING, EmbeddingSpec, embedding_spec
+from .encoder import ENCODER_TYPES, encoder_context, load_encoder_weights
 from .render import apply_template, with_template_args
 
 if TYPE_CHECKING:
@@ -247,6 +248,8 @@ def load_model(path: Path, *, model_id: str | None = None, ctx: int | None = Non
     if adapter is not None:
         check_adapter_dir(adapter)
     check_fits(path, config, backend, options.memory_budget, name, options.ranks.size if options.ranks else 1)
+    if config["model_type"] in ENCODER_TYPES:
+        return _load_encoder(path, config, name, backend, options)
     from .. import kernels
 
     try:
@@ -331,6 +334,32 @@ def load_model(path: Path, *, model_id: str | None = None, ctx: int | None = Non
         fingerprint=fingerprint(path, f"{backend}:{quantization}", adapter),
         adapter=adapter,
         vocab_size=int(text["vocab_size"]) if text.get("vocab_size") else None,
+    )
+
+
+def _load_encoder(path: Path, config: dict, name: str, backend: str, options: LoadOptions) -> LoadedModel:
+    """An encoder embedding model (engine/encoder.py): float32, its tokenizer as Hugging Face
+    reads it, embeddings only."""
+    from transformers import AutoTokenizer
+
+    from .runners import MLXRunner
+
+    if options.ranks is not None or options.adapter_path is not None:
+        raise ModelLoadError(f"{name} is an encoder embedding model: it is served whole, without adapters")
+    log.info("loading %s on %s: an encoder embedding model (%s)", path, backend, config["model_type"])
+    try:
+        model = load_encoder_weights(path, config)
+        tokenizer = AutoTokenizer.from_pretrained(str(path))
+    except Exception as exc:
+        raise ModelLoadError(f"cannot load {path}: {type(exc).__name__}: {' '.join(str(exc).split())}") from None
+    spec = embedding_spec(path) or LM_POOLING
+    log.info("%s serves embeddings only: %s pooling%s, up to %d tokens an input", name, spec.pooling,
+             ", normalised" if spec.normalize else "", encoder_context(path, config))
+    return LoadedModel(
+        id=name, path=path, model=model, runner=MLXRunner(model), tokenizer=tokenizer,
+        context_length=encoder_context(path, config), quantization="float32", backend=backend,
+        capabilities=("embeddings",), embedding=spec, fingerprint=fingerprint(path, f"{backend}:float32", None),
+        vocab_size=int(config["vocab_size"]),
     )
 
 

@@ -9,7 +9,7 @@ import logging
 import math
 import time
 
-from ..engine.embed import LM_POOLING, batches, body_of, embed
+from ..engine.embed import LM_POOLING, batches, embed, states_of
 from ..engine.loader import LoadedModel
 from ..engine.worker import Engine
 from ..protocol.embeddings import EmbeddingRequest, embedding_list
@@ -27,7 +27,7 @@ async def create_embeddings(engine: Engine, req: EmbeddingRequest) -> dict:
     try:
         lm = slot.lm
         try:
-            body = body_of(lm.model)
+            states = states_of(lm.model)
         except ValueError as exc:
             raise Problem("unsupported_capability", f"{req.model!r} cannot embed: {exc}", param="model") from None
         inputs = await asyncio.to_thread(_tokens, lm, req)
@@ -36,7 +36,7 @@ async def create_embeddings(engine: Engine, req: EmbeddingRequest) -> dict:
         vectors: list[list[float] | None] = [None] * len(inputs)
         groups = batches(inputs)
         for group in groups:  # one worker call each: decode steps of other requests run between them
-            out = await engine.call(lambda g=group: embed(body, [inputs[i] for i in g], spec))
+            out = await engine.call(lambda g=group: embed(states, [inputs[i] for i in g], spec))
             for i, v in zip(group, out):
                 vectors[i] = v
     finally:
