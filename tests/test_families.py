@@ -11,6 +11,7 @@ so that greedy choices have no near-tie.
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
@@ -102,6 +103,9 @@ def test_prompts_that_arrive_together_prefill_in_one_forward_and_get_their_token
     expected = [alone(lm, p) for p in params(lm)]
     seqs = [Sequence(lm, p, make_prompt_cache(lm.model), emit=lambda e: None) for p in params(lm)]
     batch = Batch(lm)
+    if lm.model_type == "nemotron_h":  # its mixer loses a right-padded prompt's state: each prefills alone
+        assert prefill_group(seqs, 64, lm) == []
+        return
     assert same(prefill_group(seqs, 64, lm), seqs)
     batch.prefill(seqs)
     assert all(s.phase is Phase.DECODE and s.pending == [s.params.prompt[-1]] for s in seqs)
@@ -285,3 +289,29 @@ def test_a_required_tool_call_comes_back_as_a_call_on_every_family(family_server
     assert body["stop_reason"] == "tool_use"
     [use] = [b for b in body["content"] if b["type"] == "tool_use"]
     assert use["name"] == "get_weather" and use["input"]["city"] in ("Oslo", "Paris")
+
+
+def test_logprobs_in_a_merged_batch_are_the_ones_alone(family_lm):
+    """Each row of a merged batch gives its sequence's logprobs (the model's raw distribution),
+    as that sequence alone gets them, within the rounding of a merged batch's other summation
+    order (Nemotron-H's recurrent layers carry it furthest: 1.4e-3 seen)."""
+    from lmsp_mlx.engine.events import TextDelta
+
+    lm = family_lm
+    wanted = [replace(p, logprobs=3) for p in params(lm)]
+
+    def entries_alone(p):
+        out = []
+        generate(lm, p, emit=lambda e: out.extend(e.logprobs) if isinstance(e, TextDelta) else None)
+        return out
+
+    expected = [entries_alone(p) for p in wanted]
+    got: list[list] = [[] for _ in wanted]
+    seqs = [Sequence(lm, p, make_prompt_cache(lm.model),
+                     emit=lambda e, i=i: got[i].extend(e.logprobs) if isinstance(e, TextDelta) else None)
+            for i, p in enumerate(wanted)]
+    together(lm, seqs, joins_at={3: 3})
+    for mine, theirs in zip(got, expected):
+        assert [e.token for e in mine] == [e.token for e in theirs] and len(mine) > 1
+        assert [e.logprob for e in mine] == pytest.approx([e.logprob for e in theirs], abs=5e-3)
+        assert [lp for e in mine for _, lp in e.top] == pytest.approx([lp for e in theirs for _, lp in e.top], abs=5e-3)

@@ -52,6 +52,27 @@ log = logging.getLogger("lmsp_mlx.engine")
 # compares); read once, not on every step.
 PREFILL_TOGETHER = os.environ.get("LMSP_PREFILL_TOGETHER", "1") != "0"
 
+# Recurrent layers (ArraysCache) keep a right-padded prompt's state only where the model's
+# mixer reads the cache's `lengths`. Checked per family against each prompt alone
+# (tests/test_families.py, logprobs included): mlx-lm 0.32's nemotron_h hands ssm_update
+# its mask but not the lengths, so a shorter prompt's SSM state came out as the padding's
+# (logprobs off by up to 0.49 where alone they match exactly). A recurrent family not
+# listed here prefills its prompts one at a time until it is checked.
+PADDED_PREFILL_RECURRENT = frozenset({"qwen3_next", "qwen3_5", "kimi_linear"})
+
+
+def pads_safely(lm: LoadedModel, kinds: tuple) -> bool:
+    """Whether prompts whose caches have these layer kinds may prefill together, right-padded."""
+    return lm.model_type in PADDED_PREFILL_RECURRENT or not any(k is not None and k[0] == "arrays" for k in kinds)
+
+
+def log_prefill_alone(lm: LoadedModel) -> None:
+    """At load: one line where this model's prompts never prefill together (and why)."""
+    if lm.runner.kind == "mlx" and PREFILL_TOGETHER and \
+            not pads_safely(lm, tuple(layer_kind(c) for c in make_prompt_cache(lm.model))):
+        log.info("prompts of %s prefill one at a time: its recurrent layers (%s) are not checked to keep a "
+                 "right-padded prompt's state (engine/batch.py PADDED_PREFILL_RECURRENT)", lm.id, lm.model_type)
+
 
 # The most rows a decode step carries with drafts: a step is bound by reading the weights
 # until its rows' arithmetic takes over, and past that a drafted row costs about what it
@@ -86,7 +107,7 @@ def prefill_group(seqs: list[Sequence], chunk: int, lm: LoadedModel) -> list[Seq
     kinds = {id(s): tuple(layer_kind(c) for c in s.cache) for s in short}
     group = _commonest(short, lambda s: None if any(k is None or k[0] == "quantized" for k in kinds[id(s)])
                        else kinds[id(s)])
-    return group if len(group) > 1 else []
+    return group if len(group) > 1 and pads_safely(lm, kinds[id(group[0])]) else []
 
 
 def chunk_size(seq: Sequence, chunk: int, others: bool) -> int:

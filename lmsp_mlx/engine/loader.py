@@ -57,6 +57,7 @@ class LoadedModel:
     adapter: Path | None = None  # the LoRA adapter fused into its weights (--adapter-path)
     vocab_size: int | None = None  # its embedding rows (its logits' width): every token id is below it
     embedding: EmbeddingSpec | None = None  # a dedicated embedding model's pooling (engine/embed.py); it then only embeds
+    model_type: str = ""  # its config's, which names the mlx-lm family
 
 
     def describe(self) -> dict[str, Any]:
@@ -331,6 +332,7 @@ def load_model(path: Path, *, model_id: str | None = None, ctx: int | None = Non
         special_token_ids=frozenset(special),
         capabilities=capabilities,
         embedding=embedding,
+        model_type=str(config["model_type"]),
         fingerprint=fingerprint(path, f"{backend}:{quantization}", adapter),
         adapter=adapter,
         vocab_size=int(text["vocab_size"]) if text.get("vocab_size") else None,

@@ -26,7 +26,7 @@ from ..cache.calls import CallMemory
 from ..cache.disk import CheckpointStore
 from ..cache.pool import SessionPool
 from ..settings import CacheSettings
-from .batch import Batch
+from .batch import Batch, log_prefill_alone
 from .distributed import Ranks, same_everywhere
 from .loader import LoadedModel, LoadOptions, ModelLoadError, check_model_dir, load_model
 
@@ -89,6 +89,7 @@ def open_slot(slot: ModelSlot, *, ctx: int | None, cache: CacheSettings, max_out
         slot.draft = _open_draft(lm, spec.draft)
     slot.pool = _make_pool(lm, cache, slot.calls, spec.options.ranks)
     slot.batch = Batch(lm)
+    log_prefill_alone(lm)
     slot.lm = lm
 
 
