@@ -68,7 +68,7 @@ def pads_safely(lm: LoadedModel, kinds: tuple) -> bool:
 
 def log_prefill_alone(lm: LoadedModel) -> None:
     """At load: one line where this model's prompts never prefill together (and why)."""
-    if lm.runner.kind == "mlx" and PREFILL_TOGETHER and \
+    if "text" in lm.capabilities and lm.runner.kind == "mlx" and PREFILL_TOGETHER and \
             not pads_safely(lm, tuple(layer_kind(c) for c in make_prompt_cache(lm.model))):
         log.info("prompts of %s prefill one at a time: its recurrent layers (%s) are not checked to keep a "
                  "right-padded prompt's state (engine/batch.py PADDED_PREFILL_RECURRENT)", lm.id, lm.model_type)
