@@ -110,7 +110,7 @@ def test_chat_logprobs_with_top_alternatives_sync_and_streamed(sdk, tiny_lm):
     done = sdk.chat.completions.create(**ask)
     content = done.choices[0].logprobs.content
     assert "".join(e.token for e in content) == done.choices[0].message.content
-    assert all(len(e.top_logprobs) == 4 and e.bytes == list(e.token.encode()) for e in content)
+    assert all(len(e.top_logprobs) == 4 for e in content)
     assert all(e.top_logprobs[0].logprob == pytest.approx(e.logprob, abs=1e-5) for e in content)  # greedy
     chunks = list(sdk.chat.completions.create(**ask, stream=True))
     streamed = [e for c in chunks if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
@@ -128,7 +128,7 @@ def test_logprobs_are_the_raw_distributions_whatever_the_sampling(tiny_lm):
                               penalties=Penalties(presence=1.5, bias=((5, 3.0),)))
     generate(tiny_lm, params, lambda e: out.extend(e.logprobs) if isinstance(e, TextDelta) else None, sampled=sampled)
     assert len(out) == len(sampled) == 6
-    check_against_the_model(tiny_lm, prompt, sampled, [e.logprob for e in out], [dict(e.top) for e in out], 2)
+    check_against_the_model(tiny_lm, prompt, sampled, [e.logprob for e in out], [{a.token: a.logprob for a in e.top} for e in out], 2)
 
 
 def test_responses_and_lmsp_return_logprobs_on_request(tiny_server, sdk):
@@ -231,3 +231,61 @@ def test_bad_logprob_settings_are_400s_naming_the_field(tiny_server, path, body,
     assert r.status_code == 400, r.text
     problem = r.json()
     assert (problem.get("error", {}).get("param") or problem.get("param")) == param, json.dumps(problem)
+
+
+def test_a_token_that_is_part_of_a_character_has_its_own_bytes(tiny_lm):
+    """Byte-level pieces of a character: the alternatives say which bytes (OpenAI's
+    `bytes:\\x..` text), not U+FFFD, and a reply's bytes join to its text's."""
+    from lmsp_mlx.engine.logprobs import alternative, token_bytes
+
+    tok = tiny_lm.tokenizer
+    lead = tok.convert_tokens_to_ids("ð")  # byte 0xF0 in the byte-level alphabet: a 4-byte character's first
+    assert tok.decode([lead]) == "\ufffd" and token_bytes(tok, lead) == b"\xf0"
+    alt = alternative(tok, lead, -1.0)
+    assert alt.token == "bytes:\\xf0" and alt.bytes == b"\xf0"
+    space = tok.convert_tokens_to_ids("Ġ")
+    assert token_bytes(tok, space) is None and alternative(tok, space, -1.0).token == " "
+    # "😀" is F0 9F 98 80: four byte tokens; the last carries the character, the bytes each their own.
+    pieces = [tok.convert_tokens_to_ids(c) for c in "ðŁĺĢ"]
+    out: list[TokenLogprob] = []
+    params = GenerationParams(tok.encode(PROMPT), 4, temperature=0.0, logprobs=1, ignore_eos=True,
+                              penalties=Penalties(bias=tuple((p, 0.0) for p in pieces)))
+    forced = iter(pieces)
+
+    class Forced:  # the reply is the four pieces, whatever the model would say
+        def forced(self):
+            return next(forced, None)
+
+        def saw(self, token):
+            pass
+
+    seq_events: list = []
+    from lmsp_mlx.engine.sequence import Sequence
+    seq = Sequence(tiny_lm, params, make_prompt_cache(tiny_lm.model), seq_events.append)
+    seq.sampler.budget = Forced()
+    from lmsp_mlx.engine.batch import Batch
+    batch = Batch(tiny_lm)
+    while seq.result is None:
+        if seq.to_prefill:
+            seq.prefill_chunk(256)
+        else:
+            assert batch.step([seq]) == {}
+    out = [e for ev in seq_events if isinstance(ev, TextDelta) for e in ev.logprobs]
+    text = "".join(ev.text for ev in seq_events if isinstance(ev, TextDelta))
+    assert text == "😀" == "".join(e.token for e in out) and [e.token for e in out] == ["", "", "", "😀"]
+    assert b"".join(e.bytes for e in out) == "😀".encode() and [len(e.bytes) for e in out] == [1, 1, 1, 1]
+
+
+@pytest.mark.slow
+def test_the_default_model_writes_an_emoji_whose_bytes_join(default_server):
+    """Real text split into byte pieces: the tokens join to the content, their own bytes to
+    its bytes, and no alternative reads U+FFFD."""
+    real = openai.OpenAI(base_url=default_server.url + "/v1", api_key="unused", timeout=300, max_retries=0)
+    done = real.chat.completions.create(
+        model="SmolLM2-135M-Instruct", temperature=0, max_tokens=12, logprobs=True, top_logprobs=3,
+        messages=[{"role": "user", "content": "Reply with a smiley emoji 😀 and the word hello."}])
+    content, entries = done.choices[0].message.content, done.choices[0].logprobs.content
+    assert any(ord(c) > 0xFFFF for c in content)  # an emoji came back: four bytes, several tokens
+    assert "".join(e.token for e in entries) == content
+    assert bytes(b for e in entries for b in e.bytes) == content.encode()
+    assert all(a.token != "\ufffd" for e in entries for a in e.top_logprobs)

@@ -11,13 +11,50 @@ lets the protocol's ledger hand each token out with the text it wrote.
 
 from __future__ import annotations
 
+import functools
+import re
+from dataclasses import replace
+
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
-from ..protocol.logprobs import TokenLogprob
+from ..protocol.logprobs import Alternative, TokenLogprob, token_text
 from .loader import LoadedModel
 
 WINDOW = 6  # tokens decoded before the new one: enough for a character split over several byte tokens
+_BYTE_TOKEN = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")  # SentencePiece's byte fallback
+
+
+@functools.lru_cache(maxsize=1)
+def _byte_level() -> dict[str, int]:
+    """GPT-2's byte-level alphabet (what byte-level BPE vocabularies spell tokens in) back to bytes."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    others = [b for b in range(256) if b not in printable]
+    return {chr(b): b for b in printable} | {chr(256 + i): b for i, b in enumerate(others)}
+
+
+def token_bytes(tokenizer, token: int) -> bytes | None:
+    """A token's own bytes where its text alone is not whole characters (a byte-level or
+    byte-fallback piece of a character); None where its text says it all."""
+    text = tokenizer.decode([token])
+    if "\ufffd" not in text:
+        return None
+    piece = tokenizer.convert_ids_to_tokens(token)
+    if isinstance(piece, str):
+        if m := _BYTE_TOKEN.match(piece):
+            return bytes([int(m.group(1), 16)])
+        table = _byte_level()
+        if piece and all(c in table for c in piece):
+            return bytes(table[c] for c in piece)
+    return None
+
+
+def alternative(tokenizer, token: int, logprob: float) -> Alternative:
+    raw = token_bytes(tokenizer, token)
+    if raw is None:
+        text = tokenizer.decode([token])
+        return Alternative(text, logprob, text.encode())
+    return Alternative(token_text(raw), logprob, raw)
 
 
 class TokenTexts:
@@ -64,13 +101,14 @@ def entry(tokenizer, row: mx.array, token: int, text: str, top: int) -> TokenLog
     """`token`'s entry from its step's raw logits `row` (1, vocab), with the `top` likeliest."""
     lp = row[0].astype(mx.float32)
     lp = lp - mx.logsumexp(lp)
+    raw = token_bytes(tokenizer, token)
     if not top:
-        return TokenLogprob(text, lp[token].item())
+        return TokenLogprob(text, lp[token].item(), raw=raw)
     ids = mx.argpartition(-lp, top - 1)[:top]
     chosen, values = lp[token], lp[ids]
     mx.eval(chosen, ids, values)
     ranked = sorted(zip(ids.tolist(), values.tolist()), key=lambda p: -p[1])
-    return TokenLogprob(text, chosen.item(), tuple((tokenizer.decode([i]), v) for i, v in ranked))
+    return TokenLogprob(text, chosen.item(), tuple(alternative(tokenizer, i, v) for i, v in ranked), raw=raw)
 
 
 def prompt_entries(lm: LoadedModel, tokens: list[int], top: int, chunk: int = 256) -> list[TokenLogprob]:
@@ -79,7 +117,7 @@ def prompt_entries(lm: LoadedModel, tokens: list[int], top: int, chunk: int = 25
     cache of its own, so that it does not depend on what the KV pool held. Each chunk's
     rows are ranked together, with one sync."""
     texts = TokenTexts(lm.tokenizer, skip=lm.special_token_ids)
-    out = [TokenLogprob(texts.add(tokens[0]) or "", float("nan"), prompt=True)]
+    out = [TokenLogprob(texts.add(tokens[0]) or "", float("nan"), prompt=True, raw=token_bytes(lm.tokenizer, tokens[0]))]
     cache = make_prompt_cache(lm.model)
     for start in range(0, len(tokens) - 1, chunk):
         logits = lm.runner.forward(mx.array([tokens[start:start + chunk]]), cache)[0].astype(mx.float32)
@@ -92,8 +130,8 @@ def prompt_entries(lm: LoadedModel, tokens: list[int], top: int, chunk: int = 25
         mx.eval(chosen, ids, values)
         for t, c, row_ids, row_values in zip(targets, chosen.tolist(), ids.tolist(), values.tolist()):
             ranked = sorted(zip(row_ids, row_values), key=lambda p: -p[1])
-            out.append(TokenLogprob(texts.add(t) or "", c, tuple((lm.tokenizer.decode([i]), v) for i, v in ranked),
-                                    prompt=True))
+            out.append(TokenLogprob(texts.add(t) or "", c, tuple(alternative(lm.tokenizer, i, v) for i, v in ranked),
+                                    prompt=True, raw=token_bytes(lm.tokenizer, t)))
     if rest := texts.flush():  # the prompt ends inside a character
-        out[-1] = TokenLogprob(out[-1].token + rest, out[-1].logprob, out[-1].top, prompt=True)
+        out[-1] = replace(out[-1], token=out[-1].token + rest)
     return out

@@ -19,14 +19,40 @@ from typing import Any
 
 
 @dataclass(frozen=True)
-class TokenLogprob:
-    """A sampled token: `token` its text, `logprob` its log probability, and `top` the
-    likeliest tokens at its step (text, logprob), likeliest first (as many as asked)."""
+class Alternative:
+    """One of the likeliest tokens at a step: its text (a token that is part of a character
+    reads `bytes:\\xf0\\x9f`, as OpenAI writes such tokens) and its own bytes."""
 
     token: str
     logprob: float
-    top: tuple[tuple[str, float], ...] = ()
+    bytes: bytes
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A sampled token: `token` the text it wrote, `logprob` its log probability, `top` the
+    likeliest tokens at its step, likeliest first (as many as asked). `raw`: its own bytes
+    where they are not its text's (a character split over several tokens: the bytes of a
+    reply's tokens, joined, are its text's bytes, as OpenAI's `bytes` are)."""
+
+    token: str
+    logprob: float
+    top: tuple[Alternative, ...] = ()
     prompt: bool = False  # a prompt token (text completions' echo); the first has no logprob (nan)
+    raw: bytes | None = None
+
+    @property
+    def bytes(self) -> bytes:
+        return self.token.encode() if self.raw is None else self.raw
+
+
+def token_text(raw: bytes) -> str:
+    """A token's text for a list of alternatives: its bytes as text where they are whole
+    characters, else OpenAI's `bytes:\\x..` form."""
+    try:
+        return raw.decode()
+    except UnicodeDecodeError:
+        return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
 
 
 class LogprobLedger:
@@ -58,32 +84,36 @@ class LogprobLedger:
             if end > b:  # more of it may yet be shown
                 keep.append((start, e, seen))
             elif seen or (start == end and a <= start < b):
-                out.append(replace(e, token=seen))
+                out.append(_shown(e, seen))
         self._pending = keep
         return tuple(out)
 
     def rest(self) -> tuple[TokenLogprob, ...]:
-        out = tuple(replace(e, token=seen) for _, e, seen in self._pending if seen)
+        out = tuple(_shown(e, seen) for _, e, seen in self._pending if seen)
         self._pending = []
         return out
 
 
+def _shown(e: TokenLogprob, seen: str) -> TokenLogprob:
+    """`e` with the part of its text that was shown (its bytes then that part's)."""
+    return e if seen == e.token else replace(e, token=seen, raw=None)
+
+
 def _top(e: TokenLogprob) -> list[dict[str, Any]]:
-    return [{"token": t, "logprob": lp, "bytes": list(t.encode())} for t, lp in e.top]
+    return [{"token": a.token, "logprob": a.logprob, "bytes": list(a.bytes)} for a in e.top]
 
 
 def openai_entries(entries: tuple[TokenLogprob, ...] | list[TokenLogprob]) -> list[dict[str, Any]]:
     """Chat's `logprobs.content` and Responses' `output_text` `logprobs`."""
-    return [{"token": e.token, "logprob": e.logprob, "bytes": list(e.token.encode()), "top_logprobs": _top(e)}
+    return [{"token": e.token, "logprob": e.logprob, "bytes": list(e.bytes), "top_logprobs": _top(e)}
             for e in entries]
 
 
-def _by_text(top: tuple[tuple[str, float], ...]) -> dict[str, float]:
-    """Alternatives keyed by text: where two tokens share one (bytes of an unfinished
-    character both read "\ufffd"), the likelier is kept."""
+def _by_text(top: tuple[Alternative, ...]) -> dict[str, float]:
+    """Alternatives keyed by text: where two tokens share one, the likelier is kept."""
     out: dict[str, float] = {}
-    for text, lp in top:
-        out.setdefault(text, lp)
+    for a in top:
+        out.setdefault(a.token, a.logprob)
     return out
 
 
