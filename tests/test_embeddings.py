@@ -21,7 +21,7 @@ import pytest
 from tests.helpers import HTTP
 from tests.tiny_model import FAMILIES, build_tiny_family_model, write_tokenizer
 
-from lmsp_mlx.engine.embed import EmbeddingSpec, body_of, embed, embedding_spec, states_of
+from lmsp_mlx.engine.embed import Chunked, EmbeddingSpec, body_of, embed, embedding_spec, states_of
 from lmsp_mlx.engine.loader import load_model
 
 openai = pytest.importorskip("openai")
@@ -85,6 +85,15 @@ def test_bad_input_is_a_400_naming_the_field(tiny_server, body, param):
     assert r.json()["error"]["param"] == param, r.text
 
 
+def test_a_long_input_runs_a_chunk_a_pass_and_gives_the_vector_of_one_forward(tiny_server, sdk, tiny_lm):
+    """Longer than --prefill-chunk (256 here): a chunk per worker call, the others' decode
+    steps between them."""
+    tokens = [(7 * i) % 200 + 5 for i in range(600)]
+    done = sdk.embeddings.create(model="tiny", input=[tokens], encoding_format="float")
+    assert np.allclose(done.data[0].embedding, alone(tiny_lm, tokens, "mean"), atol=1e-5)
+    assert "embeddings model=tiny inputs=1 tokens=600 passes=3 pooling=mean normalised" in tiny_server.log()
+
+
 def test_embeddings_run_between_the_steps_of_a_streaming_reply(sdk):
     got: dict = {}
 
@@ -136,13 +145,20 @@ def test_an_embedding_model_pools_as_it_states_and_only_embeds(start_server, tin
 
 
 @pytest.mark.parametrize("arch", FAMILIES)
-def test_every_family_embeds_a_batch_as_each_input_alone(arch, tmp_path):
-    """Padding on the right leaves each input's states as they are alone, whatever the layers."""
+def test_every_family_embeds_a_batch_and_a_chunked_input_as_each_input_alone(arch, tmp_path):
+    """Padding on the right leaves each input's states as they are alone, and a long input
+    run a chunk at a time over a cache pools to the same vector, whatever the layers."""
     lm = load_model(build_tiny_family_model(tmp_path / arch, arch))
     inputs = [list(range(5, 5 + n)) for n in (3, 20, 9)]
-    batched = embed(states_of(lm.model), inputs, EmbeddingSpec("mean", normalize=True))
-    for v, t in zip(batched, inputs):
-        assert np.allclose(v, alone(lm, t, "mean"), atol=1e-4), arch
+    for pooling in ("mean", "last"):
+        spec = EmbeddingSpec(pooling, normalize=True)
+        batched = embed(states_of(lm.model), inputs, spec)
+        for v, t in zip(batched, inputs):
+            assert np.allclose(v, alone(lm, t, pooling), atol=1e-4), (arch, pooling)
+        long = Chunked(lm.model, inputs[1], spec)
+        while not long.done:
+            long.step(6)
+        assert np.allclose(long.vector(), batched[1], atol=1e-4), (arch, pooling)
 
 
 def build_tiny_encoder(out: Path, model_type: str = "bert") -> Path:

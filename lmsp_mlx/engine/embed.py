@@ -41,7 +41,6 @@ class EmbeddingSpec:
 
 
 LM_POOLING = EmbeddingSpec("mean", normalize=True)  # a language model's, where it states none
-BATCH_TOKENS = 4096  # padded tokens per forward: a batch of embeddings holds the decode steps no longer
 
 
 def embedding_spec(path: Path) -> EmbeddingSpec | None:
@@ -84,17 +83,52 @@ def states_of(model: nn.Module) -> Callable[[mx.array, mx.array], mx.array]:
     return lambda tokens, lengths: body(tokens)
 
 
-def batches(inputs: list[list[int]]) -> list[list[int]]:
+def batches(inputs: list[list[int]], budget: int) -> list[list[int]]:
     """Indices of `inputs` grouped for one forward each, similar lengths together, each
-    within BATCH_TOKENS once padded (a longer input goes alone)."""
+    within `budget` tokens once padded (a longer input goes alone: `Chunked`)."""
     order = sorted(range(len(inputs)), key=lambda i: len(inputs[i]))
     out: list[list[int]] = []
     for i in order:
-        if out and len(inputs[i]) * (len(out[-1]) + 1) <= BATCH_TOKENS:
+        if out and len(inputs[i]) * (len(out[-1]) + 1) <= budget:
             out[-1].append(i)
         else:
             out.append([i])
     return out
+
+
+class Chunked:
+    """One long input through a decoder's body a chunk at a time, over a cache of its own:
+    causal attention makes each chunk's states what one forward gives, so pooling them as
+    they come gives the same vector, and each chunk can run in a call of its own (the
+    worker's decode steps go on between them)."""
+
+    def __init__(self, model: nn.Module, tokens: list[int], spec: EmbeddingSpec) -> None:
+        from mlx_lm.models.cache import make_prompt_cache
+
+        self.body, self.cache = body_of(model), make_prompt_cache(model)
+        self.tokens, self.spec, self.at = tokens, spec, 0
+        self.total: mx.array | None = None
+        self.first: mx.array | None = None
+        self.last: mx.array | None = None
+
+    @property
+    def done(self) -> bool:
+        return self.at >= len(self.tokens)
+
+    def step(self, n: int) -> None:
+        part = self.tokens[self.at:self.at + n]
+        h = self.body(mx.array([part]), cache=self.cache)[0].astype(mx.float32)
+        self.total = h.sum(axis=0) if self.total is None else self.total + h.sum(axis=0)
+        self.first = h[0] if self.first is None else self.first
+        self.last = h[-1]
+        mx.eval(self.total, self.first, self.last, [c.state for c in self.cache])
+        self.at += len(part)
+
+    def vector(self) -> list[float]:
+        pooled = {"mean": self.total / len(self.tokens), "last": self.last, "cls": self.first}[self.spec.pooling]
+        if self.spec.normalize:
+            pooled = pooled / mx.maximum(mx.linalg.norm(pooled), 1e-12)
+        return pooled.tolist()
 
 
 def embed(states_fn, inputs: list[list[int]], spec: EmbeddingSpec) -> list[list[float]]:

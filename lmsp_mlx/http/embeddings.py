@@ -18,4 +18,5 @@ bp = Blueprint("embeddings", __name__, url_prefix="/v1")
 async def embeddings():
     """One vector per input, as OpenAI's SDK reads them (float lists or base64)."""
     req = parse_embedding(await read_json())
-    return await create_embeddings(state().engine, req)
+    s = state()
+    return await create_embeddings(s.engine, req, s.settings.engine.prefill_chunk)

@@ -1,6 +1,8 @@
 """One embeddings request: the model leased (loaded on demand like any other), the inputs
 tokenised and checked, then embedded on the worker thread in batches of similar length
-(engine/embed.py), between the decode steps of whatever else runs."""
+(engine/embed.py), between the decode steps of whatever else runs. A batch holds at most
+`--prefill-chunk` padded tokens, and a decoder's longer input runs a chunk a call, so an
+embeddings request holds the streams beside it no longer than a prompt chunk does."""
 
 from __future__ import annotations
 
@@ -9,7 +11,8 @@ import logging
 import math
 import time
 
-from ..engine.embed import LM_POOLING, batches, embed, states_of
+from ..engine.embed import LM_POOLING, Chunked, batches, embed, states_of
+from ..engine.encoder import Encoder
 from ..engine.loader import LoadedModel
 from ..engine.worker import Engine
 from ..protocol.embeddings import EmbeddingRequest, embedding_list
@@ -19,7 +22,7 @@ from .worker_run import acquire
 log = logging.getLogger("lmsp_mlx.server")
 
 
-async def create_embeddings(engine: Engine, req: EmbeddingRequest) -> dict:
+async def create_embeddings(engine: Engine, req: EmbeddingRequest, chunk: int) -> dict:
     if engine.distributed:
         raise Problem("unsupported_capability", "embeddings are not served while the model is split over ranks",
                       param="model")
@@ -34,16 +37,24 @@ async def create_embeddings(engine: Engine, req: EmbeddingRequest) -> dict:
         spec = lm.embedding or LM_POOLING
         began = time.perf_counter()
         vectors: list[list[float] | None] = [None] * len(inputs)
-        groups = batches(inputs)
+        groups, calls = batches(inputs, chunk), 0
         for group in groups:  # one worker call each: decode steps of other requests run between them
+            if len(inputs[group[0]]) > chunk and not isinstance(lm.model, Encoder):
+                long = Chunked(lm.model, inputs[group[0]], spec)
+                while not long.done:
+                    await engine.call(lambda: long.step(chunk))
+                    calls += 1
+                vectors[group[0]] = long.vector()
+                continue
             out = await engine.call(lambda g=group: embed(states, [inputs[i] for i in g], spec))
+            calls += 1
             for i, v in zip(group, out):
                 vectors[i] = v
     finally:
         engine.release(slot)
     tokens = sum(len(t) for t in inputs)
-    log.info("embeddings model=%s inputs=%d tokens=%d batches=%d pooling=%s%s in %.2fs", req.model, len(inputs),
-             tokens, len(groups), spec.pooling, " normalised" if spec.normalize else "", time.perf_counter() - began)
+    log.info("embeddings model=%s inputs=%d tokens=%d passes=%d pooling=%s%s in %.2fs", req.model, len(inputs),
+             tokens, calls, spec.pooling, " normalised" if spec.normalize else "", time.perf_counter() - began)
     if req.dimensions is not None:
         width = len(vectors[0])
         if req.dimensions > width:
