@@ -90,7 +90,7 @@ def test_a_stop_sequence_ends_the_text_before_it(sdk):
 def test_what_is_not_served_is_refused_with_its_param(tiny_server, tiny_lm):
     base = {"model": "tiny", "prompt": PROMPT, "max_tokens": 2}
     for fields, status, param in [
-        ({"prompt": ["one", "two"]}, 400, "prompt"), ({"prompt": ""}, 400, "prompt"), ({"prompt": 5}, 400, "prompt"),
+        ({"prompt": ["one"] * 65}, 400, "prompt"), ({"prompt": ""}, 400, "prompt"), ({"prompt": 5}, 400, "prompt"),
         ({"prompt": [tiny_lm.vocab_size]}, 400, "prompt"), ({"logprobs": 21}, 400, "logprobs"),
         ({"suffix": "end"}, 400, "suffix"), ({"n": 2}, 400, "n"), ({"max_tokens": -1}, 400, "max_tokens"),
         ({"model": "other"}, 404, "model"), ({"temperature": 3}, 400, "temperature"),

@@ -104,6 +104,30 @@ def test_echo_scores_the_prompt_as_lm_eval_harness_asks(sdk, tiny_lm):
     assert "".join(c.choices[0].text for c in streamed if c.choices) == PROMPT
 
 
+def test_several_prompts_are_a_choice_each_as_lm_eval_harness_batches_them(sdk):
+    """lm-eval-harness with --batch_size above 1: one request, a list of prompts, a choice
+    for each (in prompt order), each what that prompt alone gets."""
+    prompts = [PROMPT, "Hello there, general", "One two three four"]
+    alone = [sdk.completions.create(model="tiny", prompt=p, max_tokens=1, temperature=0, logprobs=1, echo=True)
+             for p in prompts]
+    batched = sdk.completions.create(model="tiny", prompt=prompts, max_tokens=1, temperature=0, logprobs=1, echo=True)
+    assert [c.index for c in batched.choices] == [0, 1, 2]
+    for c, one in zip(batched.choices, alone):
+        assert c.text == one.choices[0].text and c.logprobs.tokens == one.choices[0].logprobs.tokens
+        assert c.logprobs.token_logprobs[1:] == pytest.approx(one.choices[0].logprobs.token_logprobs[1:], abs=TOL)
+    assert batched.usage.prompt_tokens == sum(a.usage.prompt_tokens for a in alone)
+    assert batched.usage.completion_tokens == 3
+    streamed = list(sdk.completions.create(model="tiny", prompt=prompts, max_tokens=4, temperature=0, stream=True,
+                                           stream_options={"include_usage": True}, extra_body={"ignore_eos": True}))
+    texts = {i: "".join(c.choices[0].text for c in streamed if c.choices and c.choices[0].index == i) for i in range(3)}
+    sync = sdk.completions.create(model="tiny", prompt=prompts, max_tokens=4, temperature=0,
+                                  extra_body={"ignore_eos": True})
+    assert texts == {c.index: c.text for c in sync.choices}
+    assert streamed[-1].usage.completion_tokens == 12
+    assert sorted(c.choices[0].finish_reason for c in streamed if c.choices and c.choices[0].finish_reason) == \
+        ["length"] * 3
+
+
 def test_chat_logprobs_with_top_alternatives_sync_and_streamed(sdk, tiny_lm):
     ask = dict(model="tiny", messages=[{"role": "user", "content": "Say something."}], max_tokens=10, temperature=0,
                logprobs=True, top_logprobs=4)

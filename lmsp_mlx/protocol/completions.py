@@ -17,6 +17,7 @@ from .problems import Problem
 from .requests import LogitBias, Penalty, Seed, Temperature, TopP, json_object, validation_problem
 
 TokenIds = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
+MAX_PROMPTS = 64  # prompts of one request (each a sequence in the batch, or waiting for one)
 
 
 class _Completions(BaseModel):
@@ -25,8 +26,10 @@ class _Completions(BaseModel):
 
 class CompletionRequest(_Completions):
     model: str
-    # One prompt: text, or token ids; OpenAI's batch forms are taken with one element.
-    prompt: Union[str, TokenIds, Annotated[list[str], Field(min_length=1)], Annotated[list[TokenIds], Field(min_length=1)]]
+    # One prompt (text, or token ids), or OpenAI's batch forms: a list of them, one choice each
+    # (lm-eval-harness batches its loglikelihood requests so).
+    prompt: Union[str, TokenIds, Annotated[list[str], Field(min_length=1, max_length=MAX_PROMPTS)],
+                  Annotated[list[TokenIds], Field(min_length=1, max_length=MAX_PROMPTS)]]
     # OpenAI's default; 0 with echo scores the prompt alone (lm-eval-harness's loglikelihood).
     max_tokens: Annotated[int, Field(ge=0)] = 16
     temperature: Temperature | None = None
@@ -47,14 +50,12 @@ class CompletionRequest(_Completions):
     ignore_eos: bool = False  # vLLM's extension, which `vllm bench serve` sends for fixed output lengths
     speculate: bool | None = None  # an extension: false drafts no tokens for this request (--speculate)
 
-    def one_prompt(self) -> str | list[int]:
+    def prompts(self) -> list[str | list[int]]:
+        """Each prompt, in the order of the choices."""
         p = self.prompt
         if isinstance(p, list) and p and isinstance(p[0], (str, list)):
-            if len(p) > 1:
-                raise Problem("invalid_request", f"the prompt holds {len(p)} prompts; this server completes one "
-                              "per request", param="prompt")
-            return p[0]
-        return p
+            return list(p)
+        return [p]
 
     def stops(self) -> list[str]:
         return stop_list(self.stop)
@@ -67,7 +68,8 @@ def parse_completion(body: Any) -> CompletionRequest:
     except ValidationError as exc:
         problem = validation_problem(exc, frozenset())
         if (problem.param or "").startswith("prompt"):
-            problem.detail = "prompt must be a string, a list of token ids, or a list holding one of these"
+            problem.detail = (f"prompt must be a string, a list of token ids, or a list of up to {MAX_PROMPTS} "
+                              "of either")
             problem.param = "prompt"
         elif problem.param in ("n", "best_of"):
             problem.detail = f"{problem.param} must be 1: this server returns one choice per request"
@@ -77,7 +79,6 @@ def parse_completion(body: Any) -> CompletionRequest:
         raise problem from None
     if req.suffix:
         raise Problem("unsupported_capability", "suffix (fill in the middle) is not supported", param="suffix")
-    req.one_prompt()
     return req
 
 
@@ -90,15 +91,17 @@ def usage(prompt_tokens: int, completion_tokens: int, cached: int) -> dict[str, 
             "total_tokens": prompt_tokens + completion_tokens, "prompt_tokens_details": {"cached_tokens": cached}}
 
 
-def text_completion(cid: str, created: int, model: str, text: str, finish_reason: str | None,
-                    use: dict[str, Any] | None = None, choices: bool = True,
-                    logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
-    """A `text_completion` object, or a streamed chunk of one (`choices=False`: the usage
-    chunk); `logprobs`: the choice's (`protocol/logprobs.completion_logprobs`)."""
+def text_choice(index: int, text: str, finish_reason: str | None,
+                logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
+    """One choice of a `text_completion`; `logprobs`: its (`protocol/logprobs.completion_logprobs`)."""
+    return {"text": text, "index": index, "logprobs": logprobs, "finish_reason": finish_reason}
+
+
+def text_completion(cid: str, created: int, model: str, choices: list[dict[str, Any]],
+                    use: dict[str, Any] | None = None) -> dict[str, Any]:
+    """A `text_completion` object, or a streamed chunk of one (no choices: the usage chunk)."""
     out: dict[str, Any] = {"id": cid, "object": "text_completion", "created": created, "model": model,
-                           "system_fingerprint": None,
-                           "choices": [{"text": text, "index": 0, "logprobs": logprobs, "finish_reason": finish_reason}]
-                           if choices else []}
+                           "system_fingerprint": None, "choices": choices}
     if use is not None:
         out["usage"] = use
     return out

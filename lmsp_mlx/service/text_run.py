@@ -34,9 +34,10 @@ class TextRun(WorkerRun[Piece]):
     `finished` the worker's Finished once it is done. With `echo` and `logprobs`,
     `prompt_logprobs` holds the prompt's own entries before the first piece."""
 
-    def __init__(self, engine: Engine, req: CompletionRequest, prefill_step: int) -> None:
+    def __init__(self, engine: Engine, req: CompletionRequest, prefill_step: int, prompt: str | list[int]) -> None:
         super().__init__(engine, completion_id(), req.model)
         self.req = req
+        self.prompt = prompt
         self.prefill_step = prefill_step
         self.id = self.name
         self.created = int(time.time())
@@ -53,7 +54,7 @@ class TextRun(WorkerRun[Piece]):
             if "text" not in lm.capabilities:
                 raise Problem("unsupported_capability", f"{self.req.model!r} is an embedding model: it serves "
                               "/v1/embeddings only", param="model")
-            tokens, self.prompt_text = await asyncio.to_thread(_encode, lm, self.req.one_prompt())
+            tokens, self.prompt_text = await asyncio.to_thread(_encode, lm, self.prompt)
             room = check_room(len(tokens), lm.context_length, "prompt")
             params = GenerationParams(prompt=tokens, max_tokens=min(self.req.max_tokens, room),
                                       prefill_step=self.prefill_step, stop=tuple(self.req.stops()), raw=True,
@@ -95,6 +96,22 @@ class TextRun(WorkerRun[Piece]):
 
     def finish_reason(self) -> str:
         return "length" if self.finished.reason == "length" and not self.stopped else "stop"
+
+
+async def start_texts(engine: Engine, req: CompletionRequest, prefill_step: int) -> list[TextRun]:
+    """A run for each of the request's prompts, all queued (they decode in one batch); where
+    one is refused, those already queued are cancelled and the refusal is the request's."""
+    runs: list[TextRun] = []
+    try:
+        for prompt in req.prompts():
+            run = TextRun(engine, req, prefill_step, prompt)
+            runs.append(run)
+            await run.start()
+    except BaseException:
+        for run in runs:
+            run.cancel()
+        raise
+    return runs
 
 
 def _encode(lm: LoadedModel, prompt: str | list[int]) -> tuple[list[int], str]:
