@@ -114,11 +114,39 @@ def test_a_reply_can_be_stopped_and_the_next_question_is_answered(page, tiny_ser
     answer = page.locator(".msg.assistant").last
     sync_api.expect(answer.locator(".content")).not_to_be_empty(timeout=30_000)
     page.click("#stop")
-    sync_api.expect(answer.locator(".stats")).to_have_text("stopped", timeout=10_000)
+    sync_api.expect(answer.locator(".stats")).to_contain_text("stopped after", timeout=10_000)
     assert page.is_visible("#send") and not page.is_visible("#stop")
     page.fill("#max-tokens", "4")
     ask(page, "Hello there")
     sync_api.expect(page.locator(".msg.assistant").nth(1).locator(".stats")).to_contain_text("tok/s", timeout=30_000)
+
+
+def test_a_reload_while_a_reply_streams_keeps_what_came(page, tiny_server):
+    page.goto(tiny_server.url + "/")
+    models_listed(page)
+    settings(page, max_tokens="30000")
+    ask(page, ENDLESS)
+    # The reply so far is saved once a second while it streams.
+    page.wait_for_function("JSON.parse(localStorage.getItem('lmsp-mlx.conversations'))[0].messages[1].content",
+                           timeout=30_000)
+    page.reload()
+    answer = page.locator(".msg.assistant").last
+    sync_api.expect(answer.locator(".stats")).to_have_text("interrupted")
+    assert answer.locator(".content").inner_text()
+
+
+def test_settings_stay_and_a_refused_question_shows_why(page, tiny_server):
+    page.goto(tiny_server.url + "/")
+    models_listed(page)
+    settings(page, temperature="5", max_tokens="7")
+    page.dispatch_event("#temperature", "change")
+    page.dispatch_event("#max-tokens", "change")
+    ask(page, "Hello there")
+    sync_api.expect(page.locator(".msg.error")).to_contain_text("temperature", timeout=10_000)
+    assert page.locator(".msg.assistant").count() == 0  # no empty reply left above the error
+    page.reload()
+    models_listed(page)
+    assert page.input_value("#temperature") == "5" and page.input_value("#max-tokens") == "7"
 
 
 def test_a_server_with_tokens_asks_for_one(page, start_server, tiny_model_dir):

@@ -39,5 +39,5 @@ async def asset(name: str):
 def _file(name: str, content_type: str) -> Response:
     resp = Response((UI / name).read_bytes(), content_type=content_type)
     resp.headers["Cache-Control"] = "no-cache"  # a new version of the server serves its own page
-    resp.headers["Content-Security-Policy"] = "default-src 'self'; style-src 'self'; script-src 'self'"
+    resp.headers["Content-Security-Policy"] = "default-src 'self'; img-src 'self' data:; script-src 'self'"
     return resp

@@ -5,7 +5,8 @@
 "use strict";
 
 const KEY = { conversations: "lmsp-mlx.conversations", current: "lmsp-mlx.current", token: "lmsp-mlx.token",
-              model: "lmsp-mlx.model" };
+              model: "lmsp-mlx.model", settings: "lmsp-mlx.settings" };
+const SETTINGS = ["system", "temperature", "max-tokens", "tools"];  // kept in the browser with the conversations
 const $ = (id) => document.getElementById(id);
 let conversations = JSON.parse(localStorage.getItem(KEY.conversations) || "[]");
 let current = localStorage.getItem(KEY.current);
@@ -122,6 +123,7 @@ function render() {
   $("messages").scrollTop = $("messages").scrollHeight;
 }
 
+// The conversation as Chat messages; the reply being streamed (still empty) is left out.
 function history(c) {
   const out = [];
   const system = $("system").value.trim();
@@ -129,6 +131,7 @@ function history(c) {
   for (const m of c.messages) {
     if (m.role === "error") continue;
     if (m.role === "assistant") {
+      if (!m.content && !(m.tool_calls || []).length) continue;  // a reply stopped before its first word
       // Calls the page cannot run are shown, not replayed: their outputs never existed.
       const said = m.content || (m.tool_calls || []).map((t) => "[called " + t.function.name + "]").join(" ");
       const a = { role: "assistant", content: said };
@@ -161,15 +164,19 @@ async function send(text) {
   save();
   render();
   let view = $("messages").lastElementChild;
-  let drawn = true;  // the view shows `reply` as it is; redrawn once a frame at most while it streams
+  // Redrawn at most every 50 ms while it streams, from the read loop itself: a fast stream's
+  // reads resolve one after another without a frame between them.
+  let drawn = 0, saved = performance.now();
+  reply.stats = "interrupted";  // what a reload finds, until the reply ends
   const draw = () => {
-    drawn = true;
-    const fresh = messageView(reply);
+    drawn = performance.now();
+    const fresh = messageView({ ...reply, stats: "" });
     view.replaceWith(fresh);
     view = fresh;
     fresh.scrollIntoView({ block: "end" });
+    if (performance.now() - saved > 1000) { saved = performance.now(); save(); }  // a reload keeps the reply so far
   };
-  const body = { model: $("model").value, messages: history(c).slice(0, -1), stream: true,
+  const body = { model: $("model").value, messages: history(c), stream: true,
                  stream_options: { include_usage: true }, max_tokens: Number($("max-tokens").value) || undefined,
                  temperature: Number($("temperature").value) };
   const tools = $("tools").value.trim();
@@ -207,14 +214,15 @@ async function send(text) {
           reply.content += delta.content || "";
           reply.reasoning += delta.reasoning_content || "";
           for (const call of delta.tool_calls || []) reply.tool_calls.push(call);
-          if (drawn) { drawn = false; requestAnimationFrame(draw); }
         }
       }
+      if (performance.now() - drawn > 50) draw();
     }
   } catch (e) {
     if (e.name === "AbortError") {
       stopped = true;
     } else {
+      if (!reply.content && !reply.reasoning && !reply.tool_calls.length) c.messages.pop();  // nothing came
       c.messages.push({ role: "error", content: e.message });
     }
   } finally {
@@ -223,7 +231,8 @@ async function send(text) {
     $("stop").hidden = true;
   }
   const ended = performance.now();
-  reply.stats = stopped ? "stopped" : statsLine(usage, began, first, ended);
+  reply.stats = stopped ? "stopped after " + ((ended - began) / 1000).toFixed(1) + " s"
+    : statsLine(usage, began, first, ended);
   save();
   render();
 }
@@ -240,6 +249,14 @@ $("input").onkeydown = (e) => {
 };
 $("stop").onclick = () => { if (running) running.abort(); };
 $("new-chat").onclick = () => { if (!running) { current = null; conversation(); save(); render(); } };
+const settings = JSON.parse(localStorage.getItem(KEY.settings) || "{}");
+for (const id of SETTINGS) {
+  if (settings[id] !== undefined) $(id).value = settings[id];
+  $(id).onchange = () => {
+    settings[id] = $(id).value;
+    localStorage.setItem(KEY.settings, JSON.stringify(settings));
+  };
+}
 $("token").value = localStorage.getItem(KEY.token) || "";
 $("token").onchange = () => { localStorage.setItem(KEY.token, $("token").value.trim()); loadModels(); };
 $("model").onchange = () => localStorage.setItem(KEY.model, $("model").value);
