@@ -182,6 +182,7 @@ class CheckpointStore:
         self._lock = threading.Lock()  # entries: read by the worker, updated by the writer
         self.calls = calls  # tool-call turns found in checkpoints are remembered for exact replay
         self._writes: queue.Queue = queue.Queue()
+        self.pending = 0  # bytes of host copies queued for writing (they count against the memory budget)
         self.dir.mkdir(mode=0o700, parents=True, exist_ok=True)  # checkpoints hold conversations: the owner's alone
         for stale in self.dir.glob(".tmp-*"):
             stale.unlink(missing_ok=True)  # a write that never finished
@@ -329,6 +330,8 @@ class CheckpointStore:
             meta["calls"] = json.dumps({"call_ids": list(c.call_ids), "visible": c.visible, "items": list(c.items),
                                         **({"head": c.head} if c.head else {}), "owner": c.owner})
         final = self.dir / f"{kind}-{meta['key_sha256'][:40]}{SUFFIX}"
+        with self._lock:
+            self.pending += sum(a.nbytes for _, a in tensors.values())
         self._writes.put((final, tensors, meta))
         session.saved_tokens = n
         return final
@@ -355,6 +358,9 @@ class CheckpointStore:
                 log.warning("kv disk: cannot write %s: %s: %s", final.name, type(exc).__name__, exc)
             finally:
                 temp.unlink(missing_ok=True)
+                with self._lock:
+                    self.pending -= sum(a.nbytes for _, a in tensors.values())
+                del tensors  # the host copy goes now, not when the next write replaces it
                 self._writes.task_done()
 
     def _touch(self, entry: Entry) -> None:

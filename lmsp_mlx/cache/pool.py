@@ -353,19 +353,37 @@ class SessionPool:
             idle = [s for s in self.sessions if s is not spare and not s.in_use]  # running ones stay
             if not idle:
                 return
+            self._evict(min(idle, key=lambda s: s.last_used), "kv memory")
+
+    def idle_bytes(self) -> int:
+        """What the resident sessions no sequence runs on hold, and the host copies of
+        checkpoints still queued for writing."""
+        return sum(s.nbytes for s in self.sessions if not s.in_use) + (self.disk.pending if self.disk else 0)
+
+    def shed(self, nbytes: int) -> int:
+        """Evict idle sessions, least recently used first, until `nbytes` are freed (the
+        memory budget needs room for a sequence: engine/admission.py); returns the bytes freed."""
+        freed = 0
+        while freed < nbytes and (idle := [s for s in self.sessions if not s.in_use]):
             victim = min(idle, key=lambda s: s.last_used)
-            if self.disk is None or not self.policy.checkpoint_on_evict:
-                fate = "dropped: no checkpoints"
-            elif len(victim.tokens) <= victim.saved_tokens:
-                fate = "already on disk"
-            elif len(victim.tokens) < self.policy.checkpoint_min_tokens:
-                fate = f"dropped: under --kv-checkpoint-min-tokens {self.policy.checkpoint_min_tokens}"
-            else:
-                fate = "checkpointed"
-                self.checkpoint(victim, "evict")
-            log.info("kv memory: evicting a session of %d tokens (%.1f MiB), %s", len(victim.tokens),
-                     victim.nbytes / 2**20, fate)
-            self._drop(victim)
+            freed += victim.nbytes
+            self._evict(victim, "memory budget")
+        return freed
+
+    def _evict(self, victim: Session, why: str) -> None:
+        """Out of memory: to disk where it is worth keeping, else dropped; one log line."""
+        if self.disk is None or not self.policy.checkpoint_on_evict:
+            fate = "dropped: no checkpoints"
+        elif len(victim.tokens) <= victim.saved_tokens:
+            fate = "already on disk"
+        elif len(victim.tokens) < self.policy.checkpoint_min_tokens:
+            fate = f"dropped: under --kv-checkpoint-min-tokens {self.policy.checkpoint_min_tokens}"
+        else:
+            fate = "checkpointed"
+            self.checkpoint(victim, "evict")
+        log.info("%s: evicting a session of %d tokens (%.1f MiB), %s", why, len(victim.tokens),
+                 victim.nbytes / 2**20, fate)
+        self._drop(victim)
 
     def close(self) -> None:
         """Shutdown: every resident session not yet on disk is checkpointed, and written."""

@@ -14,6 +14,7 @@ import math
 import os
 import re
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 from ..cache.disk import CheckpointError, read_header
@@ -22,6 +23,7 @@ _BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "U32": 4,
           "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
 MARGIN = 0.10  # of the available memory, kept for the KV cache, activations and the rest of the process
 MIN_MARGIN = 1 << 30
+PROBE_STEP = 256  # tokens: mlx-lm's KVCache grows by this many at once
 
 
 def estimate_bytes(path: Path, config: dict, backend: str, ranks: int = 1) -> int:
@@ -96,3 +98,36 @@ def budget_bytes(override: int | None) -> tuple[int | None, str]:
 
 def gb(n: int) -> str:
     return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"  # as --memory-budget-mb counts
+
+
+@dataclass(frozen=True)
+class KVGrowth:
+    """What one sequence's KV cache of a model takes: `fixed` bytes whatever its length
+    (recurrent state, the first block) and `per_token` more for each token past it, the
+    cache growing `step` tokens at a time (mlx-lm's KVCache allocates 256 at once). Measured
+    (`kv_growth`), so every cache kind and dtype counts as it is: a sliding window's cache
+    stops growing, so for it the estimate only errs high."""
+
+    fixed: int
+    per_token: int
+    step: int = PROBE_STEP
+
+    def bytes_for(self, tokens: int) -> int:
+        blocks = max(0, math.ceil(tokens / self.step) - 1)
+        return self.fixed + self.per_token * self.step * blocks
+
+
+def kv_growth(lm) -> KVGrowth:
+    """A model's KV growth, from its own cache filled to one token and to one block more
+    (a forward of PROBE_STEP + 1 tokens, at load)."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
+
+    def held(n: int) -> int:
+        cache = make_prompt_cache(lm.model)
+        lm.runner.prefill(mx.array([[1] * n]), cache)
+        mx.eval([c.state for c in cache])
+        return sum(c.nbytes for c in cache)
+
+    one, more = held(1), held(PROBE_STEP + 1)
+    return KVGrowth(one, max(0, more - one) // PROBE_STEP)

@@ -28,6 +28,7 @@ from ..cache.pool import SessionPool
 from ..settings import CacheSettings
 from .batch import Batch, log_prefill_alone
 from .distributed import Ranks, same_everywhere
+from .footprint import KVGrowth, gb, kv_growth
 from .loader import LoadedModel, LoadOptions, ModelLoadError, check_model_dir, load_model
 
 log = logging.getLogger("lmsp_mlx.engine")
@@ -58,6 +59,7 @@ class ModelSlot:
     draft: LoadedModel | None = None  # spec.draft loaded: its tokenizer is the model's
     calls: CallMemory = field(default_factory=CallMemory)  # read by request handlers while they render (locked)
     size_bytes: int = 0  # its weights once loaded (engine/footprint.py), counted against the memory budget
+    kv: KVGrowth | None = None  # what a sequence's KV takes by length (engine/admission.py); None: it holds none
     leases: int = 0  # runs that hold it (event loop); it is unloaded only at none
     last_used: float = 0.0  # time.monotonic() of its last lease's end: the least recent goes first
     loaded: asyncio.Future | None = None  # the load's outcome, for requests that wait for it
@@ -90,6 +92,10 @@ def open_slot(slot: ModelSlot, *, ctx: int | None, cache: CacheSettings, max_out
     slot.pool = _make_pool(lm, cache, slot.calls, spec.options.ranks)
     slot.batch = Batch(lm)
     log_prefill_alone(lm)
+    if "text" in lm.capabilities:
+        slot.kv = kv_growth(lm)
+        log.info("kv for %s: %s a sequence, %s per 1,000 tokens (measured)", spec.id, gb(slot.kv.fixed),
+                 gb(slot.kv.per_token * 1000))
     slot.lm = lm
 
 

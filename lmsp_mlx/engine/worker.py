@@ -40,7 +40,8 @@ from .loader import LoadedModel
 from .memory import HeapTrimmer
 from .models import ModelSet
 from ..settings import CacheSettings, EngineSettings, SpeculateMode
-from .footprint import budget_bytes
+from .admission import MemoryFigures, MemoryGate, cache_limit
+from .footprint import budget_bytes, gb
 from .slot import ModelSlot, ModelSpec, SlotState, close_slot, footprint, open_slot
 from .sequence import Phase, Sequence
 from .constrain import Constraint
@@ -49,6 +50,10 @@ from .speculate import DraftModel, Drafting
 from .turn import Conversation, TurnOutput
 
 log = logging.getLogger("lmsp_mlx.engine")
+
+
+class KVTooBig(Exception):
+    """The request's KV could never fit the memory budget, even alone (engine/admission.py)."""
 
 
 class QueueFull(Exception):
@@ -74,6 +79,7 @@ class Job:
     conv: Conversation | None = None  # the items behind the prompt: for the turn's visible transcript
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     started: bool = False  # the worker took it from the queue (a task is then `in_progress`)
+    kv_need: int = 0  # its KV grown to its limit, reserved while it runs (engine/admission.py)
     # The prompt tokens its KV lookup found cached, set before its first event goes out (so a
     # reader of that event sees it): what Anthropic's message_start reports.
     cached: int | None = None
@@ -171,6 +177,7 @@ class EngineSnapshot:
     kv_bytes: int
     mlx_active_bytes: int
     mlx_cache_bytes: int
+    memory: MemoryFigures = field(default_factory=MemoryFigures)  # the memory budget and what is held against it
     ranks: int = 1  # the processes the model is split over (engine/distributed.py); this one is rank 0
     rank_memory: tuple[int, ...] = ()  # each rank's MLX active memory at its last reading (engine/lockstep.py)
 
@@ -201,6 +208,8 @@ class Engine:
         self.counters = Counters()
         self.max_batch = settings.max_batch
         self._active: list[Running] = []  # the worker thread's; others only read a copy
+        self._held: list[Job] = []  # taken from the queue, waiting for memory (engine/admission.py), in arrival order
+        self.gate: MemoryGate | None = None  # set at start, with the memory budget
         self._job_seconds = 1.0  # a moving average of the time a job holds the worker (for Retry-After)
         self._trim_heap = HeapTrimmer()  # after sequences end: see engine/memory.py
         self._lockstep = lockstep
@@ -216,6 +225,9 @@ class Engine:
         """Load the default model and the pinned ones (or raise why not), then start the worker."""
         first = None
         budget, source = budget_bytes(self.settings.memory_budget_bytes)
+        self.gate = MemoryGate(budget, source, lambda: sum(s.size_bytes for s in list(self.models.slots.values())))
+        if budget is not None:
+            mx.set_cache_limit(cache_limit(budget))
         self.models = ModelSet(self.catalog.find, self._load, self._retire, max_loaded=self.settings.max_loaded_models,
                                keep_alive=self.settings.keep_alive, budget=budget, budget_source=source)
         for spec in self.catalog.named:
@@ -319,10 +331,10 @@ class Engine:
         self.models.release(slot)
 
     def _jobs_now(self) -> list[Job]:
-        """The running jobs, then the waiting ones."""
+        """The running jobs, then the waiting ones (for memory, then in the queue)."""
         with self._jobs.mutex:
             waiting = [j for j in self._jobs.queue if isinstance(j, Job)]
-        return [r.job for r in list(self._active)] + waiting
+        return [r.job for r in list(self._active)] + list(self._held) + waiting
 
     def cancel_all(self) -> None:
         """Shutdown: the running sequences stop at the next step, waiting ones end as they are taken."""
@@ -360,7 +372,8 @@ class Engine:
 
     @property
     def queued(self) -> int:
-        return self._jobs.qsize()
+        """Jobs waiting: in the queue, and taken from it to wait for memory."""
+        return self._jobs.qsize() + len(self._held)
 
     @property
     def running(self) -> int:
@@ -378,6 +391,7 @@ class Engine:
                 drafted=dict(c.drafted), accepted=dict(c.accepted),
                 kv_sessions=c.kv_sessions, kv_bytes=c.kv_bytes, mlx_active_bytes=mx.get_active_memory(),
                 mlx_cache_bytes=mx.get_cache_memory(),
+                memory=replace(self.gate.figures) if self.gate is not None else MemoryFigures(),
                 ranks=self._lockstep.ranks.size if self._lockstep is not None else 1,
                 rank_memory=tuple(self._lockstep.memory) if self._lockstep is not None else ())
 
@@ -402,10 +416,25 @@ class Engine:
                 return False
         return len(self._active) + ahead >= self.max_batch
 
+    def memory_room(self, slot: ModelSlot, prompt_tokens: int, room: int) -> int:
+        """`room` output tokens, fewer where the memory budget holds fewer beside the weights
+        (for a request that sets no output limit: it gets what fits, not a 507)."""
+        fits = self.gate.output_room(slot, prompt_tokens) if self.gate is not None else None
+        if fits is None or fits >= room or fits < 1:
+            return room
+        log.info("memory: a request with no output limit may write up to %d tokens (the memory budget's room "
+                 "beside %s's weights; the context would allow %d)", fits, slot.id, room)
+        return fits
+
     def submit(self, slot: ModelSlot, params: GenerationParams, route: Route, text: str = "",
                conv: Conversation | None = None, visible: str | None = None, keep_history: str | None = None) -> Job:
+        """Queue a job; QueueFull where --max-queue jobs wait, KVTooBig where its KV could
+        never fit the memory budget (engine/admission.py)."""
+        if self.gate is not None and (why := self.gate.too_big(slot, len(params.prompt), params.max_tokens)):
+            raise KVTooBig(why)
         job = Job(params=params, route=route, loop=asyncio.get_running_loop(), slot=slot, text=text, conv=conv,
-                  visible=visible, keep_history=keep_history)
+                  visible=visible, keep_history=keep_history,
+                  kv_need=MemoryGate.need(slot, len(params.prompt), params.max_tokens))
         try:
             self._jobs.put_nowait(job)
         except queue.Full:
@@ -462,15 +491,43 @@ class Engine:
                 return
 
     def _join_waiting(self, stopping: bool) -> bool:
-        """The waiting jobs join at this step boundary (blocking while idle); True once the stop sign came."""
-        if not self._active and not stopping:  # idle: wait for work
-            stopping = not self._admit(self._jobs.get())
+        """The waiting jobs join at this step boundary (blocking while idle), the ones that
+        wait for memory first, in arrival order; True once the stop sign came."""
+        self._end_cancelled_held()
+        self.gate.count(sum(r.job.kv_need for r in self._active),
+                        [s.pool for s in list(self.models.slots.values()) if s.pool is not None])
+        if not self._active and not self._held and not stopping:  # idle: wait for work
+            stopping = not self._take(self._jobs.get())
         while not stopping and len(self._active) < self.max_batch:
+            if self._held:
+                if not self._fits(self._held[0]):
+                    break  # the first in line waits for a running sequence to end; none overtakes it
+                stopping = not self._admit(self._held.pop(0))
+                continue
             try:
-                stopping = not self._admit(self._jobs.get_nowait())
+                stopping = not self._take(self._jobs.get_nowait())
             except queue.Empty:
                 break
         return stopping
+
+    def _take(self, job: Job | None) -> bool:
+        """`_admit` a job from the queue, or hold it until its KV fits the memory budget."""
+        if isinstance(job, Job) and not job.cancelled and not self._fits(job):
+            self._held.append(job)
+            self.gate.figures.waits += 1
+            log.info("memory: a request waits for memory (its KV grows to %s; %d running reserve %s)",
+                     gb(job.kv_need), len(self._active), gb(sum(r.job.kv_need for r in self._active)))
+            return True
+        return self._admit(job)
+
+    def _fits(self, job: Job) -> bool:
+        pools = [s.pool for s in list(self.models.slots.values()) if s.pool is not None]
+        return self.gate.fits(job.kv_need, (r.job.kv_need for r in self._active), pools, alone=not self._active)
+
+    def _end_cancelled_held(self) -> None:
+        for job in [j for j in self._held if j.cancelled]:
+            self._held.remove(job)
+            self._end_unstarted(job)
 
     def _join_agreed(self, stopping: bool) -> bool:
         """Under lockstep: rank 0 takes the waiting jobs as `_join_waiting` does (idle, it
@@ -551,7 +608,8 @@ class Engine:
         if not asked:
             return
         with self._jobs.mutex:
-            busy = {r.job.slot for r in self._active} | {j.slot for j in self._jobs.queue if isinstance(j, Job)}
+            busy = {r.job.slot for r in self._active} | {j.slot for j in self._jobs.queue if isinstance(j, Job)} \
+                | {j.slot for j in self._held}
         for entry in asked:
             slot, loop, done = entry
             if slot in busy:

@@ -48,6 +48,11 @@ def render(snap: EngineSnapshot, http_statuses: Mapping[int, int]) -> str:
         *_gauge("lmsp_kv_resident_bytes", snap.kv_bytes),
         *_gauge("lmsp_mlx_active_bytes", snap.mlx_active_bytes),
         *_gauge("lmsp_mlx_cache_bytes", snap.mlx_cache_bytes),
+        *([] if snap.memory.budget is None else _gauge("lmsp_memory_budget_bytes", snap.memory.budget)),
+        *_labelled_gauge("lmsp_memory_held_bytes", "kind", [("weights", snap.memory.weights),
+                                                            ("kv_reserved", snap.memory.kv_reserved),
+                                                            ("kv_resident", snap.memory.kv_resident)]),
+        *_counter("lmsp_memory_waits_total", snap.memory.waits),
         *_labelled("lmsp_http_responses_total", "code", http_statuses.items()),
     ]
     return "\n".join(lines) + "\n"

@@ -161,6 +161,8 @@ class ResponseRun(WorkerRun[ItemEvent]):
         room = check_room(len(prompt.tokens), ctx, "input")
         limit = self.req.max_output_tokens or lm.default_max_output_tokens  # --max-output-tokens, where it sets none
         self.limited_by_context = limit is None or limit > room
+        if limit is None:  # nor may it grow past what the memory budget holds beside the weights
+            room = self.engine.memory_room(self.slot, len(prompt.tokens), room)
         params = GenerationParams(
             prompt=prompt.tokens,
             max_tokens=0 if self.req.generate is False else min(limit or room, room),

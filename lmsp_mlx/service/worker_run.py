@@ -20,7 +20,7 @@ from ..engine.generate import GenerationParams, Penalties
 from ..engine.loader import LoadedModel, ModelLoadError
 from ..engine.models import ModelNotFound, NoModelRoom, NotEnoughMemory
 from ..engine.slot import ModelSlot
-from ..engine.worker import Engine, Job
+from ..engine.worker import Engine, Job, KVTooBig
 from ..protocol.problems import Problem
 from ..protocol.responses import Status
 from ..protocol.routes import Route
@@ -117,6 +117,9 @@ class WorkerRun(Generic[Out]):
         """Queue the job (`lookup`: what the KV lookup matches by, engine.submit) and start the pump."""
         try:
             self.job = self.engine.submit(self.slot, params, route, **lookup)
+        except KVTooBig as exc:
+            self.close()
+            raise Problem("insufficient_memory", str(exc)) from None
         except BaseException:
             self.close()
             raise

@@ -1,0 +1,114 @@
+"""Admission by memory: one budget (`--memory-budget-mb`) for everything the loaded models
+hold, their weights, the KV of their running sequences and their resident KV sessions.
+
+A sequence joins the batch only when its KV, grown to its output limit or to the context
+(`need`), fits beside what the running ones may grow to and the weights. Until then it
+waits, in arrival order, and the queue's limits still apply. The resident sessions give
+way first: idle ones go to disk (their pool's own eviction) to make room. A request whose
+KV could never fit, even alone beside its model's weights, is refused before it queues
+(`too_big`: 507 with both figures).
+
+The worker thread alone calls `fits`; the figures it keeps are read by /metrics.
+
+Invariant: the KV reserved for running sequences plus the idle resident sessions plus the
+loaded weights stay within the budget, except where a sequence runs alone (nothing else
+to wait for: it is admitted whatever, logged).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Callable, Iterable
+
+from .footprint import gb
+
+log = logging.getLogger("lmsp_mlx.engine")
+
+
+def cache_limit(budget: int) -> int:
+    """MLX's cache of freed buffers (kept for reuse, resident all the while), held to a
+    twentieth of the budget: a step's buffers still come from it, and the large ones a long
+    prompt's prefill or a cache's growth frees go back rather than stay outside the budget."""
+    return budget // 20
+
+
+@dataclass
+class MemoryFigures:
+    """For /metrics, as the worker last counted them."""
+
+    budget: int | None = None
+    weights: int = 0
+    kv_reserved: int = 0  # the running sequences', each grown to its limit
+    kv_resident: int = 0  # idle resident sessions
+    waits: int = 0  # sequences that waited for memory before joining
+
+
+class MemoryGate:
+    def __init__(self, budget: int | None, source: str, weights: Callable[[], int]) -> None:
+        self.budget, self.source = budget, source
+        self._weights = weights  # the loaded models' weights, bytes
+        self.figures = MemoryFigures(budget=budget)
+
+    @staticmethod
+    def need(slot, prompt_tokens: int, max_tokens: int) -> int:
+        """A sequence's KV grown to its output limit or to the context."""
+        if slot.kv is None:
+            return 0
+        return slot.kv.bytes_for(min(prompt_tokens + max_tokens, slot.lm.context_length))
+
+    def output_room(self, slot, prompt_tokens: int) -> int | None:
+        """The most output tokens a sequence's KV may grow to alone beside its model's
+        weights (a request that sets no output limit gets no more); None: no bound."""
+        kv = slot.kv
+        if self.budget is None or kv is None or kv.per_token == 0:
+            return None
+        left = self.budget - slot.size_bytes - kv.fixed
+        if left < 0:
+            return 0
+        return max(0, (left // (kv.per_token * kv.step) + 1) * kv.step - prompt_tokens)
+
+    def too_big(self, slot, prompt_tokens: int, max_tokens: int) -> str | None:
+        """Why a request can never run here (its KV alone beside its model's weights exceeds
+        the budget), or None."""
+        if self.budget is None:
+            return None
+        need = self.need(slot, prompt_tokens, max_tokens)
+        if slot.size_bytes + need <= self.budget:
+            return None
+        return (f"this request's KV cache grows to about {gb(need)} ({prompt_tokens} prompt tokens and up to "
+                f"{max_tokens} more), but {gb(max(0, self.budget - slot.size_bytes))} of the {gb(self.budget)} "
+                f"memory budget ({self.source}) is left beside {slot.id}'s weights; ask for fewer output tokens "
+                f"or send a shorter prompt")
+
+    def fits(self, need: int, running: Iterable[int], pools: list, alone: bool) -> bool:
+        """Whether a sequence needing `need` bytes may join beside the running ones (their
+        reservations), the weights, the resident sessions, the checkpoints being written and
+        MLX's buffer cache: idle resident sessions are evicted to make room first. `alone`:
+        nothing runs, so nothing could free memory by waiting: it joins whatever."""
+        if self.budget is None:
+            return True
+        reserved = sum(running)
+
+        def free() -> int:  # idle sessions and queued checkpoint copies count until they are gone
+            return self.budget - self._weights() - reserved - sum(p.idle_bytes() for p in pools) \
+                - cache_limit(self.budget)
+
+        for pool in pools:
+            if (short := need - free()) <= 0:
+                break
+            pool.shed(short)  # an evicted session's checkpoint copy counts until it is written
+        free = free()
+        self.count(reserved, pools)
+        if free >= need:
+            return True
+        if alone:
+            log.warning("memory: a sequence needing %s joins alone although only %s of the budget is free",
+                        gb(need), gb(max(0, free)))
+            return True
+        return False
+
+    def count(self, reserved: int, pools: list) -> None:
+        """Refresh the figures /metrics shows."""
+        f = self.figures
+        f.weights, f.kv_reserved, f.kv_resident = self._weights(), reserved, sum(p.idle_bytes() for p in pools)

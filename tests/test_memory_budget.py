@@ -1,0 +1,98 @@
+"""One memory budget (--memory-budget-mb) for a model's weights, the KV of its running
+sequences and its resident KV sessions: a sequence joins the batch only when its KV,
+grown to its output limit, fits; until then it waits (and is served); the resident
+sessions give way first; a request that could never fit is a 507 naming both figures.
+
+The tiny model's figures, measured at load as the server measures them: 431,360 bytes of
+weights, and a KV of 128 KiB per 256 tokens."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+from tests.helpers import HTTP, ask
+from tests.tiny_model import ENDLESS
+
+from lmsp_mlx.engine.footprint import estimate_bytes, kv_growth
+from lmsp_mlx.engine.loader import check_model_dir, load_model
+
+MiB = 2**20
+LONG = 2000  # output tokens: a few tenths of a second on the tiny model, long enough for the others to arrive
+
+
+@pytest.fixture(scope="module")
+def figures(tiny_model_dir):
+    lm = load_model(tiny_model_dir)
+    weights = estimate_bytes(tiny_model_dir, check_model_dir(tiny_model_dir), "cpu")
+    return weights, kv_growth(lm)
+
+
+@pytest.fixture(scope="module")
+def tight(start_module_server, tiny_model_dir, figures):
+    """Room beside the weights for two sequences of LONG output tokens, not three."""
+    weights, kv = figures
+    need = kv.bytes_for(len(ENDLESS) + LONG + 64)
+    budget = weights + 2 * need + need // 2
+    server = start_module_server("--model", str(tiny_model_dir), "--model-id", "tiny",
+                                 "--memory-budget-mb", f"{budget / MiB:.6f}")
+    server.budget, server.need = budget, need
+    return server
+
+
+def metrics(server) -> dict[str, float]:
+    out = {}
+    for line in HTTP.get(server.url + "/metrics").text.splitlines():
+        if line.startswith("lmsp_memory"):
+            name, value = line.rsplit(" ", 1)
+            out[name] = float(value)
+    return out
+
+
+def test_requests_beyond_the_budget_wait_their_turn_and_all_answer(tight, figures):
+    weights, _ = figures
+    results: list[int] = []
+
+    def one():
+        r = HTTP.post(tight.url + "/lmsp/v1/responses", json=ask(max_output_tokens=LONG), timeout=120)
+        results.append(r.status_code)
+
+    threads = [threading.Thread(target=one) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert results == [200] * 4
+    m = metrics(tight)
+    assert m["lmsp_memory_waits_total"] == 2  # two ran at once; the other two waited, then ran
+    assert m["lmsp_memory_budget_bytes"] == pytest.approx(tight.budget, abs=1)
+    assert m['lmsp_memory_held_bytes{kind="weights"}'] == weights
+    log = tight.log()
+    assert log.count("memory: a request waits for memory") == 2
+    # The finished sessions stay resident until a waiting request needs their room.
+    assert "memory budget: evicting a session" in log
+
+
+def test_a_request_that_could_never_fit_is_a_507_naming_both_figures(tight):
+    r = HTTP.post(tight.url + "/lmsp/v1/responses", json=ask(max_output_tokens=12_000), timeout=60)
+    assert r.status_code == 507, r.text
+    detail = r.json()["detail"]
+    assert "KV cache grows to about" in detail and "of the" in detail and "memory budget" in detail
+    ok = HTTP.post(tight.url + "/lmsp/v1/responses", json=ask(), timeout=60)  # the server goes on
+    assert ok.status_code == 200
+    chat = HTTP.post(tight.url + "/v1/chat/completions", timeout=60, json={
+        "model": "tiny", "messages": [{"role": "user", "content": ENDLESS}], "max_tokens": 12_000})
+    assert chat.status_code == 507 and chat.json()["error"]["code"] == "insufficient_memory"
+
+
+def test_a_request_with_no_output_limit_gets_what_the_budget_holds(tight):
+    """Not a 507: a reply that sets no limit may grow only as far as memory allows alone."""
+    body = ask()
+    del body["max_output_tokens"]
+    r = HTTP.post(tight.url + "/lmsp/v1/responses", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    out = r.json()
+    assert out["status"] == "incomplete"  # the endless reply ran into the room it had
+    assert "memory: a request with no output limit may write up to" in tight.log()
+    written = out["usage"]["output_tokens"]
+    assert 0 < written and f"may write up to {written} tokens" in tight.log()
