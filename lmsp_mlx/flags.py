@@ -85,8 +85,10 @@ def _model_flags(p: argparse._ArgumentGroup) -> None:
                         "into its weights at load; KV checkpoints are kept apart from the base model's")
     p.add_argument("--models-dir", type=Path, help="the model store (default: models/ of the checkout, or $LMSP_MODELS_DIR)")
     p.add_argument("--memory-budget-mb", type=float, metavar="MB",
-                   help="memory a model's weights may take once loaded; a bigger one is refused before its load "
-                        "(default: the available memory less 10%%, at least 1 GiB)")
+                   help="memory the loaded models may hold: their weights, the KV of their running sequences "
+                        "(each grown to its output limit) and their resident KV sessions; a sequence waits until "
+                        "its KV fits, a request whose KV never could is a 507 (default: the available memory less "
+                        "10%%, at least 1 GiB)")
     p.add_argument("--max-loaded-models", type=int, default=1,
                    help="models loaded at once; a request for another evicts the least recently used idle one, "
                         "its KV sessions checkpointed first (default 1)")

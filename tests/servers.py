@@ -210,6 +210,11 @@ class InProcessServer(_LogFile):
         self._ready = threading.Event()
         self._thread = threading.Thread(target=self._run, args=(settings,), name=self.name, daemon=True)
 
+    @property
+    def engine(self):
+        """The server's engine (its models' slots, for tests that hand a model a runner of theirs)."""
+        return self._service.engine
+
     def start(self, timeout: float = 600) -> "InProcessServer":
         self._thread.start()
         if not self._ready.wait(timeout):

@@ -26,6 +26,13 @@ from .footprint import gb
 log = logging.getLogger("lmsp_mlx.engine")
 
 
+def out_of_memory(exc: BaseException) -> bool:
+    """An allocation failure, as MLX's allocators word it ([metal::malloc], [malloc],
+    CUDA's out of memory) or as Python raises it."""
+    text = str(exc)
+    return isinstance(exc, MemoryError) or "malloc" in text or "allocate" in text or "out of memory" in text.lower()
+
+
 def cache_limit(budget: int) -> int:
     """MLX's cache of freed buffers (kept for reuse, resident all the while), held to a
     twentieth of the budget: a step's buffers still come from it, and the large ones a long

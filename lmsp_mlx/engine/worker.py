@@ -40,7 +40,7 @@ from .loader import LoadedModel
 from .memory import HeapTrimmer
 from .models import ModelSet
 from ..settings import CacheSettings, EngineSettings, SpeculateMode
-from .admission import MemoryFigures, MemoryGate, cache_limit
+from .admission import MemoryFigures, MemoryGate, cache_limit, out_of_memory
 from .footprint import budget_bytes, gb
 from .slot import ModelSlot, ModelSpec, SlotState, close_slot, footprint, open_slot
 from .sequence import Phase, Sequence
@@ -794,7 +794,11 @@ class Engine:
         log.error("generation failed: %s: %s", type(exc).__name__, exc, exc_info=exc)
         slot.pool.finish(run.start, run.seq.sampled, ok=False, binding=None)
         self._log(run.job, slot.lm, "failed", Usage(len(run.start.tokens), 0), 0.0, 0.0, self._count_drafts(run.seq))
-        run.job.emit(Failed(f"generation failed: {type(exc).__name__}: {exc}"))
+        if out_of_memory(exc):
+            run.job.emit(Failed(f"the server ran out of memory for this request ({exc}); the others go on: retry "
+                                "it, or with a shorter prompt or fewer output tokens", code="insufficient_memory"))
+        else:
+            run.job.emit(Failed(f"generation failed: {type(exc).__name__}: {exc}"))
         self._count_kv()
 
     def _count_drafts(self, seq: Sequence) -> str:
