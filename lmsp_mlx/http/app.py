@@ -18,6 +18,7 @@ from ..engine.worker import QueueFull
 from ..protocol.problems import Problem
 from ..service.lifecycle import Lifecycle
 from ..service.state import ServerState
+from ..store import StoreUnavailable
 from . import chat, completions, embeddings, lmsp, messages, metrics, page, responses
 from .auth import authorize
 from .context import STATE
@@ -138,6 +139,12 @@ def _error_handlers(app: Quart, state: ServerState) -> None:
     @app.errorhandler(QueueFull)
     async def on_queue_full(exc: QueueFull):
         return problem_response(queue_full(exc))
+
+    @app.errorhandler(StoreUnavailable)
+    async def on_store_unavailable(exc: StoreUnavailable):
+        log.warning("store unavailable: %s", exc)
+        return problem_response(Problem("store_unavailable", f"{exc}; requests with store: false are served, and "
+                                        "stored work resumes once it can be written", headers={"Retry-After": "5"}))
 
     @app.errorhandler(HTTPException)
     async def on_http_error(exc: HTTPException):

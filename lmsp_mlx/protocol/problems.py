@@ -33,6 +33,7 @@ STATUS = {
     "model_load_failed": 503,  # the model exists but its load on demand failed; the loaded ones still serve
     "insufficient_memory": 507,  # the model cannot fit the memory budget beside what must stay loaded
     "model_limit_reached": 503,  # the pinned models take every place --max-loaded-models allows
+    "store_unavailable": 503,  # the store cannot be written now (a full disk, a lock another process holds)
     "overloaded": 529,  # Anthropic's: the server cannot take the request now (it is shutting down); retry
 }
 
@@ -51,6 +52,7 @@ TITLES = {
     "model_load_failed": "Model load failed",
     "insufficient_memory": "Insufficient memory",
     "model_limit_reached": "Model limit reached",
+    "store_unavailable": "Store unavailable",
     "overloaded": "Overloaded",
 }
 

@@ -14,6 +14,7 @@ from ..protocol.problems import Problem
 from ..protocol.routes import Route
 from ..protocol.requests import InputItem, ResponsesRequest, parse_request
 from ..protocol.responses import MessageOutput
+from ..store import StoreUnavailable
 from ..store.responses import Stored
 from . import compaction
 from .run import ResponseRun
@@ -99,6 +100,9 @@ async def new_run(s: ServerState, who: str, route: Route, req: ResponsesRequest,
         if req.store:
             try:
                 s.responses.put(who, done.request, done.response, done.completed_at)
+            except StoreUnavailable as exc:  # it stays stored in_progress: failed at the next start (recover)
+                raise Problem("store_unavailable", f"the response was generated but could not be stored: {exc}",
+                              headers={"Retry-After": "5"}) from None
             finally:
                 s.running.pop(run.id, None)
 

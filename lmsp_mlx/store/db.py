@@ -69,6 +69,12 @@ class StoreError(RuntimeError):
     """The store file cannot be opened or is not one of ours."""
 
 
+class StoreUnavailable(StoreError):
+    """The store cannot be used now (a full disk, a lock another process holds past the busy
+    timeout, an I/O error): what is stored stays as it was (the statement's transaction is
+    rolled back), and it is used again as soon as it can be."""
+
+
 def _migrate(conn: sqlite3.Connection) -> None:
     """Bring a file of an older schema up to this one (CREATE ... IF NOT EXISTS left its tables as they were)."""
     if "framing" not in {row[1] for row in conn.execute("PRAGMA table_info(tasks)")}:  # schema 1
@@ -98,19 +104,29 @@ class Database:
 
     @contextmanager
     def transaction(self) -> Iterator[sqlite3.Connection]:
-        """One atomic unit of work: committed when the block ends, rolled back if it raises."""
+        """One atomic unit of work: committed when the block ends, rolled back if it raises.
+        StoreUnavailable where SQLite cannot write now (sqlite3.OperationalError)."""
         with self._lock:
-            self._conn.execute("BEGIN IMMEDIATE")
+            try:
+                self._conn.execute("BEGIN IMMEDIATE")
+            except sqlite3.OperationalError as exc:
+                raise StoreUnavailable(f"the store {self.path} cannot be written now: {exc}") from None
             try:
                 yield self._conn
-            except BaseException:
-                self._conn.execute("ROLLBACK")
+                self._conn.execute("COMMIT")
+            except BaseException as exc:
+                if self._conn.in_transaction:
+                    self._conn.execute("ROLLBACK")
+                if isinstance(exc, sqlite3.OperationalError):
+                    raise StoreUnavailable(f"the store {self.path} cannot be written now: {exc}") from None
                 raise
-            self._conn.execute("COMMIT")
 
     def query(self, sql: str, args: tuple = ()) -> list[sqlite3.Row | tuple[Any, ...]]:
         with self._lock:
-            return self._conn.execute(sql, args).fetchall()
+            try:
+                return self._conn.execute(sql, args).fetchall()
+            except sqlite3.OperationalError as exc:
+                raise StoreUnavailable(f"the store {self.path} cannot be read now: {exc}") from None
 
     def close(self) -> None:
         with self._lock:
