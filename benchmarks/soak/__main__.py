@@ -2,6 +2,7 @@
 
     python -m benchmarks.soak [--minutes 10] [--clients 16] [--seed 0] [--warmup 30]
                               [--scrape-every 5] [--max-batch N] [--kv-memory-mb MB] [--kinds K,...]
+                              [--memory-budget-mb MB] [--kv-disk-full-mb MB] [--stalled N]
                               [--out DIR] [--append]
 
 One server (the embedded default model) is started on a free loopback port with its own
@@ -29,6 +30,11 @@ up there (by their `metadata`) to see that the server cancelled them. Then the s
 stopped with SIGINT and its log is read: tracebacks, errors, KV cache sources, evictions
 and checkpoints (checks.py).
 
+Faults, each on request: `--memory-budget-mb` (a tight budget: sequences wait for memory),
+`--kv-disk-full-mb` (the KV directory on a tmpfs of that size, mounted for the run: the disk
+really fills, and checkpoint writes fail with ENOSPC; needs root), `--stalled` (clients that
+open a stream and never read it, for the whole run).
+
 Targets: no 5xx, no traceback, nothing left non-terminal, the batch drained, resident
 memory at the end within 10% of what it was at the end of the `--warmup` (resident KV
 sessions count in it and grow until they fill `--kv-memory-mb`, 2048 MiB by default, so a
@@ -43,6 +49,7 @@ from __future__ import annotations
 
 import argparse
 import signal
+import subprocess
 import tempfile
 import threading
 import time
@@ -74,6 +81,9 @@ def arguments() -> argparse.Namespace:
     p.add_argument("--kv-memory-mb", type=float, help="passed to the server (its default: 2048); resident KV "
                    "sessions grow the RSS until they fill it, so a budget the warm-up fills makes the RSS comparable")
     p.add_argument("--kinds", help=f"comma-separated subset of the mix (default all: {','.join(MIX)})")
+    p.add_argument("--memory-budget-mb", type=float, help="passed to the server: a tight budget makes requests wait")
+    p.add_argument("--kv-disk-full-mb", type=float, help="put the KV directory on a tmpfs this small (root): it fills")
+    p.add_argument("--stalled", type=int, default=0, help="clients that open a stream and never read it")
     output_arguments(p, append_help="add this run's rows to soak.csv and soak.timeline.csv (their history); "
                                     "soak.md is this run's report")
     return p.parse_args()
@@ -126,6 +136,8 @@ def load(args: argparse.Namespace, mix: dict[str, int], url: str, model: str, pi
     for t in threads:
         t.start()
 
+    for i in range(args.stalled):
+        threading.Thread(target=stall, args=(url, model, run.end), name=f"stalled-{i}", daemon=True).start()
     time.sleep(max(0.0, min(args.warmup, 60 * args.minutes - 1)))
     rss_warm = rss_mib(pid)
     at_warm = scraper.scrape()
@@ -144,6 +156,18 @@ def load(args: argparse.Namespace, mix: dict[str, int], url: str, model: str, pi
     at_end = scraper.scrape()
     print(f"clients stopped at {ended - t0:.0f} s: RSS {fmt(rss_end, 1)} MiB; draining", flush=True)
     return Load(run, scraper, ended - t0, rss_warm, rss_end, at_warm, at_end, ended)
+
+
+def stall(url: str, model: str, until: float) -> None:
+    """A client that opens a long stream and never reads it until the run ends (its socket's
+    buffers fill; the server must serve the others regardless)."""
+    try:
+        with httpx.stream("POST", url + "/v1/chat/completions", timeout=httpx.Timeout(30, read=None), json={
+                "model": model, "messages": [{"role": "user", "content": "Write a very long story."}],
+                "max_tokens": 4000, "stream": True}):
+            time.sleep(max(0.0, until - time.monotonic()))
+    except httpx.HTTPError as e:
+        print(f"the stalled client's stream ended: {type(e).__name__}: {e}", flush=True)
 
 
 def drain(scraper: Scraper, ended: float, timeout: float) -> float | None:
@@ -179,6 +203,14 @@ def main() -> None:
         cmd += ["--max-batch", str(args.max_batch)]
     if args.kv_memory_mb:
         cmd += ["--kv-memory-mb", f"{args.kv_memory_mb:g}"]
+    if args.memory_budget_mb:
+        cmd += ["--memory-budget-mb", f"{args.memory_budget_mb:g}"]
+    mounted = None
+    if args.kv_disk_full_mb:
+        mounted = tmp / "kv"
+        mounted.mkdir()
+        subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={args.kv_disk_full_mb:g}m", "tmpfs", str(mounted)],
+                       check=True)
     print(f"server: {' '.join(cmd)}\nlog: {log}", flush=True)
     proc = start(cmd, url, log)
     try:
@@ -191,6 +223,8 @@ def main() -> None:
         store, store_bad, fate = store_scan(tmp / "store.sqlite3", done.run.abandoned_tags)
     finally:
         code = stop(proc, sig=signal.SIGINT, grace=90)
+        if mounted is not None:
+            subprocess.run(["umount", str(mounted)], check=False)
     report.write(Soak(args=args, mix=mix, folder=tmp, run=done.run, scrapes=done.scraper.rows, load_s=done.load_s,
                       rss_warm=done.rss_warm, rss_end=done.rss_end, rss_drained=rss_drained, at_warm=done.at_warm,
                       at_end=done.at_end, final=final, drained_after=drained_after, statuses=statuses,

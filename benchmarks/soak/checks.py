@@ -74,6 +74,9 @@ def read_log(log: Path) -> dict:
     out = {
         "lines": len(lines),
         "tracebacks": text.count("Traceback"),
+        "memory_waits": text.count("memory: a request waits for memory"),
+        "disk_full": text.count("No space left on device"),
+        "weights_mib": float(m.group(1)) if (m := re.search(r"about ([\d.]+) MiB once loaded", text)) else None,
         "errors": [ln for ln in lines if " ERROR " in ln],
         "warnings": Counter(re.sub(r"\d+(\.\d+)?", "N", ln.split(": ", 1)[-1])[:120]
                             for ln in lines if " WARNING " in ln),

@@ -122,6 +122,28 @@ def target(good: bool) -> str:
     return "ok" if good else "**MISSED**"
 
 
+def _faults(s: Soak, rss_series: list[float]) -> list[str]:
+    """The faults the run was under (`--memory-budget-mb`, `--kv-disk-full-mb`, `--stalled`)."""
+    a, logged = s.args, s.logged
+    rows = []
+    if a.memory_budget_mb:
+        # The budget bounds what the models hold; the runtime's own (Python, MLX, Quart, the
+        # tokenizer) is the RSS at the first scrape less the weights.
+        peak, first = max(rss_series, default=None), (s.scrapes[0]["rss_mib"] if s.scrapes else None)
+        runtime = first - logged["weights_mib"] if first and logged.get("weights_mib") else None
+        limit = a.memory_budget_mb + runtime if runtime is not None else None
+        rows.append(f"| peak RSS during the load against `--memory-budget-mb` plus the runtime's own | "
+                    f"{fmt(peak, 1)} of {a.memory_budget_mb:g} + {fmt(runtime, 1)} MiB; "
+                    f"{logged.get('memory_waits', 0)} sequences waited for memory | within: "
+                    f"{target(peak is not None and limit is not None and peak <= limit)} |")
+    if a.kv_disk_full_mb:
+        rows.append(f"| KV disk full (a {a.kv_disk_full_mb:g} MiB tmpfs) | {logged.get('disk_full', 0)} checkpoint "
+                    "writes failed with ENOSPC | served on |")
+    if a.stalled:
+        rows.append(f"| clients that never read their stream | {a.stalled} | served on |")
+    return rows
+
+
 def measures_table(s: Soak) -> list[str]:
     """The run's measures against its targets."""
     run, scrapes, final, logged = s.run, s.scrapes, s.final, s.logged
@@ -156,6 +178,7 @@ def measures_table(s: Soak) -> list[str]:
             f"| RSS change, warm-up end to end of load | {fmt(100 * growth if growth is not None else None, 1)} % "
             f"(range in between {fmt(min(rss_series, default=None), 1)}-{fmt(max(rss_series, default=None), 1)} MiB) | "
             f"within 10%: {target(growth is not None and abs(growth) <= 0.10)} |",
+            *_faults(s, rss_series),
             f"| drained (batch 0, queue 0) | {drained}"
             f" (last scrape: batch {(final or {}).get('batch_sequences')}, queue {(final or {}).get('queue_depth')}) | "
             f"{target(s.drained_after is not None)} |",
