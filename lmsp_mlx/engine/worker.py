@@ -494,8 +494,6 @@ class Engine:
         """The waiting jobs join at this step boundary (blocking while idle), the ones that
         wait for memory first, in arrival order; True once the stop sign came."""
         self._end_cancelled_held()
-        self.gate.count(sum(r.job.kv_need for r in self._active),
-                        [s.pool for s in list(self.models.slots.values()) if s.pool is not None])
         if not self._active and not self._held and not stopping:  # idle: wait for work
             stopping = not self._take(self._jobs.get())
         while not stopping and len(self._active) < self.max_batch:
@@ -677,6 +675,7 @@ class Engine:
             return True
         if run is not None:
             self._active.append(run)
+            self._count_memory()
             if run.seq.phase is Phase.DONE:  # a prewarm with nothing left to prefill
                 self._end(run, run.seq.result)
         return True
@@ -818,9 +817,15 @@ class Engine:
             sessions = [s for slot in list(self.models.slots.values()) if slot.pool is not None
                         for s in list(slot.pool.sessions)]
             self.counters.kv_sessions, self.counters.kv_bytes = len(sessions), sum(s.nbytes for s in sessions)
+            self._count_memory()
             self._trim_heap()
         except Exception:
             log.exception("the resident KV could not be counted")
+
+    def _count_memory(self) -> None:
+        """The memory budget's figures for /metrics: when a sequence joins or ends, not every step."""
+        self.gate.count(sum(r.job.kv_need for r in self._active),
+                        [s.pool for s in list(self.models.slots.values()) if s.pool is not None])
 
     def _log(self, job: Job, lm: LoadedModel, status: str, usage: Usage, prefill: float, decode: float, extra: str = "") -> None:
         c = self.counters
