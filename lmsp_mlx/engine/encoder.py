@@ -26,6 +26,11 @@ log = logging.getLogger("lmsp_mlx.engine")
 ENCODER_TYPES = {"bert": "absolute", "roberta": "after_padding", "xlm-roberta": "after_padding"}
 
 
+def _first_position(cfg: dict) -> int:
+    """Where positions start: 0, or RoBERTa's padding id + 1."""
+    return cfg.get("pad_token_id", 1) + 1 if ENCODER_TYPES[cfg["model_type"]] == "after_padding" else 0
+
+
 class _Embeddings(nn.Module):
     def __init__(self, cfg: dict) -> None:
         super().__init__()
@@ -110,7 +115,7 @@ class Encoder(nn.Module):
             raise ValueError(f"hidden_act {act!r} (only BERT's gelu is built)")
         self.embeddings = _Embeddings(cfg)
         self.encoder = _Stack(cfg)
-        self.first_position = cfg.get("pad_token_id", 1) + 1 if ENCODER_TYPES[cfg["model_type"]] == "after_padding" else 0
+        self.first_position = _first_position(cfg)
 
     def __call__(self, tokens: mx.array, lengths: mx.array) -> mx.array:
         real = mx.arange(tokens.shape[1])[None, :] < lengths[:, None]  # (B, L)
@@ -139,8 +144,7 @@ def load_encoder_weights(path: Path, cfg: dict) -> Encoder:
 def encoder_context(path: Path, cfg: dict) -> int:
     """The longest input: sentence-transformers' `max_seq_length` where stated (what the model
     was trained and is used with), else the positions it has (RoBERTa's less its offset)."""
-    positions = cfg["max_position_embeddings"] - (cfg.get("pad_token_id", 1) + 1
-                                                  if ENCODER_TYPES[cfg["model_type"]] == "after_padding" else 0)
+    positions = cfg["max_position_embeddings"] - _first_position(cfg)
     st = path / "sentence_bert_config.json"
     if st.is_file():
         stated = json.loads(st.read_text()).get("max_seq_length")

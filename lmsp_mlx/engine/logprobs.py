@@ -107,8 +107,12 @@ def entry(tokenizer, row: mx.array, token: int, text: str, top: int) -> TokenLog
     ids = mx.argpartition(-lp, top - 1)[:top]
     chosen, values = lp[token], lp[ids]
     mx.eval(chosen, ids, values)
-    ranked = sorted(zip(ids.tolist(), values.tolist()), key=lambda p: -p[1])
-    return TokenLogprob(text, chosen.item(), tuple(alternative(tokenizer, i, v) for i, v in ranked), raw=raw)
+    return TokenLogprob(text, chosen.item(), _ranked(tokenizer, ids.tolist(), values.tolist()), raw=raw)
+
+
+def _ranked(tokenizer, ids: list[int], values: list[float]) -> tuple[Alternative, ...]:
+    """The alternatives of one step, likeliest first."""
+    return tuple(alternative(tokenizer, i, v) for i, v in sorted(zip(ids, values), key=lambda p: -p[1]))
 
 
 def prompt_entries(lm: LoadedModel, tokens: list[int], top: int, chunk: int = 256) -> list[TokenLogprob]:
@@ -129,9 +133,8 @@ def prompt_entries(lm: LoadedModel, tokens: list[int], top: int, chunk: int = 25
         values = mx.take_along_axis(lp, ids, axis=-1)
         mx.eval(chosen, ids, values)
         for t, c, row_ids, row_values in zip(targets, chosen.tolist(), ids.tolist(), values.tolist()):
-            ranked = sorted(zip(row_ids, row_values), key=lambda p: -p[1])
-            out.append(TokenLogprob(texts.add(t) or "", c, tuple(alternative(lm.tokenizer, i, v) for i, v in ranked),
-                                    prompt=True, raw=token_bytes(lm.tokenizer, t)))
+            out.append(TokenLogprob(texts.add(t) or "", c, _ranked(lm.tokenizer, row_ids, row_values), prompt=True,
+                                    raw=token_bytes(lm.tokenizer, t)))
     if rest := texts.flush():  # the prompt ends inside a character
         out[-1] = replace(out[-1], token=out[-1].token + rest)
     return out

@@ -29,12 +29,15 @@ class EmbeddingRequest(BaseModel):
     dimensions: Annotated[int, Field(ge=1)] | None = None
     user: str | None = None
 
+    @property
+    def listed(self) -> bool:
+        """The input is a list of inputs (each then named `input[n]`), not one input."""
+        i = self.input
+        return not (isinstance(i, str) or i and isinstance(i[0], int))
+
     def inputs(self) -> list[str | list[int]]:
         """One entry per vector: a text or token ids."""
-        i = self.input
-        if isinstance(i, str) or i and isinstance(i[0], int):
-            return [i]
-        return list(i)
+        return list(self.input) if self.listed else [self.input]
 
 
 def parse_embedding(body: Any) -> EmbeddingRequest:
@@ -51,7 +54,7 @@ def parse_embedding(body: Any) -> EmbeddingRequest:
     for n, one in enumerate(req.inputs()):
         if isinstance(one, str) and not one:
             raise Problem("invalid_request", "an input is empty: each must hold some text",
-                          param="input" if isinstance(req.input, str) else f"input[{n}]")
+                          param=f"input[{n}]" if req.listed else "input")
     return req
 
 

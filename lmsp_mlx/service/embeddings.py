@@ -67,9 +67,8 @@ async def create_embeddings(engine: Engine, req: EmbeddingRequest, chunk: int) -
 def _tokens(lm: LoadedModel, req: EmbeddingRequest) -> list[list[int]]:
     """Each input's tokens, within the vocabulary and the model's context."""
     out = []
-    several = not isinstance(req.input, str) and not (req.input and isinstance(req.input[0], int))
     for n, one in enumerate(req.inputs()):
-        where = f"input[{n}]" if several else "input"
+        where = f"input[{n}]" if req.listed else "input"
         tokens = lm.tokenizer.encode(one) if isinstance(one, str) else list(one)
         if not tokens:
             raise Problem("invalid_request", "an input gives no tokens", param=where)
