@@ -12,7 +12,8 @@ import threading
 
 import pytest
 from tests.helpers import HTTP, ask
-from tests.tiny_model import ENDLESS
+from tests.test_families import on_the_mlx_runner
+from tests.tiny_model import ENDLESS, FAMILIES, build_tiny_family_model
 
 from lmsp_mlx.engine.footprint import estimate_bytes, kv_growth
 from lmsp_mlx.engine.loader import check_model_dir, load_model
@@ -96,3 +97,18 @@ def test_a_request_with_no_output_limit_gets_what_the_budget_holds(tight):
     assert "memory: a request with no output limit may write up to" in tight.log()
     written = out["usage"]["output_tokens"]
     assert 0 < written and f"may write up to {written} tokens" in tight.log()
+
+
+@pytest.mark.parametrize("arch", FAMILIES)
+def test_every_familys_kv_growth_is_measured_on_the_mlx_runner(arch, tmp_path):
+    """The load's probe takes every cache kind: a KV cache grows with the tokens, a recurrent
+    state or a sliding window holds a fixed part."""
+    patch = on_the_mlx_runner()
+    try:
+        lm = load_model(build_tiny_family_model(tmp_path / arch, arch))
+    finally:
+        patch.undo()
+    kv = kv_growth(lm)
+    assert kv.fixed > 0 and kv.bytes_for(4096) >= kv.bytes_for(256) >= kv.fixed
+    if arch in ("llama", "deepseek_v3"):  # only full-attention caches: they grow block by block
+        assert kv.per_token > 0 and kv.bytes_for(257) > kv.bytes_for(256)
