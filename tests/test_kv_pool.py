@@ -234,6 +234,32 @@ def test_the_same_request_after_a_restart_starts_from_the_checkpoint_of_its_turn
     assert (again.source, again.cached) == ("disk", prompt_tokens - 1)  # one token is fed again
 
 
+@pytest.mark.parametrize("room", [True, False])
+def test_a_turns_checkpoint_waits_for_eviction_where_the_memory_budget_has_no_room_for_its_copy(lm, tmp_path, caplog,
+                                                                                                room):
+    """The end of a turn's checkpoint copies a session that stays resident: under a full
+    memory budget (`copy_room` says no) it is written when the session is evicted instead,
+    and a restart still starts from it."""
+    asked = []
+    disk = CheckpointStore(tmp_path, lm.fingerprint, 2**30)
+    pool = SessionPool(lm.model, lm.tokenizer, CacheSettings(checkpoint_min_tokens=1), disk,
+                       copy_room=lambda nbytes: asked.append(nbytes) or room)
+    messages = [{"role": "user", "content": STORY * 3}]
+    with caplog.at_level(logging.INFO, "lmsp_mlx.cache"):
+        start, _, _ = turn(pool, lm, messages)
+        disk.flush()
+        assert asked == [start.session.nbytes]
+        assert len(list(tmp_path.rglob("*.safetensors"))) == (1 if room else 0)
+        assert ("kv checkpoint reason=prefill deferred" in caplog.text) is not room
+        pool.shed(1)  # the memory budget wants the room: the session goes, to disk where it is not yet there
+        disk.flush()
+    assert len(list(tmp_path.rglob("*.safetensors"))) == 1
+    assert ("already on disk" if room else "checkpointed") in caplog.text
+    prompt_tokens = len(start.tokens)
+    again = matches_cold(new_pool(lm, tmp_path), lm, messages)  # a new process, the same folder
+    assert (again.source, again.cached) == ("disk", prompt_tokens - 1)
+
+
 def test_disk_budget_keeps_the_hit_and_the_newest(lm, tmp_path):
     pool = new_pool(lm, tmp_path)
     paths = []

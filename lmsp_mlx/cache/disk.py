@@ -48,6 +48,7 @@ from mlx_lm.models import cache as mlx_cache
 
 from ..protocol.auth import LOCAL_OWNER
 from .calls import CallMemory, CallTurn
+from .heap import trim_heap
 from .session import Binding, Session, prefix_state, restore
 
 log = logging.getLogger("lmsp_mlx.cache")
@@ -361,6 +362,7 @@ class CheckpointStore:
                 with self._lock:
                     self.pending -= sum(a.nbytes for _, a in tensors.values())
                 del tensors  # the host copy goes now, not when the next write replaces it
+                trim_heap()  # and its pages back to the OS: it was made in the worker's heap arena (cache/heap.py)
                 self._writes.task_done()
 
     def _touch(self, entry: Entry) -> None:

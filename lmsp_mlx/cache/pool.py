@@ -72,16 +72,23 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 
 class SessionPool:
     def __init__(self, model, tokenizer, policy: CacheSettings, disk: CheckpointStore | None = None,
-                 agree: Callable[[int], bool] | None = None) -> None:
+                 agree: Callable[[int], bool] | None = None, copy_room: Callable[[int], bool] | None = None) -> None:
         """`agree`, for a model split over ranks (each with its own shard of every
         checkpoint): called by every rank at each disk lookup with the tokens it would
         restore (-1: none); True only where every rank would restore the same, so that all
-        restore or none does."""
+        restore or none does.
+
+        `copy_room`, from the engine's memory budget (engine/admission.py): whether a host
+        copy of that many bytes fits now. A checkpoint taken at the end of a turn copies a
+        session that stays resident, so where the copy does not fit it waits: the session
+        is written when it is evicted (its copy then takes the place of the memory it
+        frees) or at shutdown."""
         self.model = model
         self.tokenizer = tokenizer
         self.policy = policy
         self.disk = disk
         self.agree = agree
+        self.copy_room = copy_room
         self.sessions: list[Session] = []
 
     def new_cache(self) -> list:
@@ -282,10 +289,20 @@ class SessionPool:
         new = len(start.tokens) - start.cached
         grown = len(s.tokens) - s.saved_tokens
         if s.calls is not None:  # an agent's loop resumes here after a restart or another client
-            self.checkpoint(s, "tool-call")
+            self._checkpoint_resident(s, "tool-call")
         elif new >= self.policy.checkpoint_min_tokens or grown >= self.policy.checkpoint_every:
-            self.checkpoint(s, "prefill" if new >= self.policy.checkpoint_min_tokens else "growth")
+            self._checkpoint_resident(s, "prefill" if new >= self.policy.checkpoint_min_tokens else "growth")
         self._enforce_budget(spare=s)
+
+    def _checkpoint_resident(self, s: Session, reason: str) -> None:
+        """A checkpoint of a session that stays resident: its host copy is memory on top of
+        it, so it is taken only where the memory budget holds the copy (`copy_room`)."""
+        if self.disk is not None and self.copy_room is not None and not self.copy_room(s.nbytes):
+            log.info("kv checkpoint reason=%s deferred: no room in the memory budget for a %.1f MiB host copy now; "
+                     "the session of %d tokens is written when it is evicted or at shutdown",
+                     reason, s.nbytes / 2**20, len(s.tokens))
+            return
+        self.checkpoint(s, reason)
 
     def checkpoint(self, s: Session, reason: str) -> None:
         if self.disk is None or not s.tokens:
@@ -376,7 +393,7 @@ class SessionPool:
             fate = "dropped: no checkpoints"
         elif len(victim.tokens) <= victim.saved_tokens:
             fate = "already on disk"
-        elif len(victim.tokens) < self.policy.checkpoint_min_tokens:
+        elif len(victim.tokens) < self.policy.checkpoint_min_tokens and victim.calls is None:  # an agent's loop is kept
             fate = f"dropped: under --kv-checkpoint-min-tokens {self.policy.checkpoint_min_tokens}"
         else:
             fate = "checkpointed"

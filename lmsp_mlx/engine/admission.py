@@ -10,6 +10,11 @@ KV could never fit, even alone beside its model's weights, is refused before it 
 
 The worker thread alone calls `fits`; the figures it keeps are read by /metrics.
 
+A checkpoint that keeps its session resident (the end of a turn) copies the KV to host
+memory for the writer: that copy is made only where `room` holds it, else the checkpoint
+waits for the session's eviction (whose copy replaces the memory it frees) or shutdown
+(cache/pool.py, `copy_room`).
+
 Invariant: the KV reserved for running sequences plus the idle resident sessions plus the
 loaded weights stay within the budget, except where a sequence runs alone (nothing else
 to wait for: it is admitted whatever, logged).
@@ -88,24 +93,26 @@ class MemoryGate:
                 f"memory budget ({self.source}) is left beside {slot.id}'s weights; ask for fewer output tokens "
                 f"or send a shorter prompt")
 
+    def room(self, reserved: int, pools: list) -> int | None:
+        """The budget's bytes free beside the weights, the running sequences' reservations
+        (`reserved`), the idle resident sessions, the checkpoint copies queued for writing and
+        MLX's buffer cache; None: no budget."""
+        if self.budget is None:
+            return None
+        return self.budget - self._weights() - reserved - sum(p.idle_bytes() for p in pools) - cache_limit(self.budget)
+
     def fits(self, need: int, running: Iterable[int], pools: list, alone: bool) -> bool:
         """Whether a sequence needing `need` bytes may join beside the running ones (their
-        reservations), the weights, the resident sessions, the checkpoints being written and
-        MLX's buffer cache: idle resident sessions are evicted to make room first. `alone`:
-        nothing runs, so nothing could free memory by waiting: it joins whatever."""
+        reservations) and all `room` counts: idle resident sessions are evicted to make room
+        first. `alone`: nothing runs, so nothing could free memory by waiting: it joins whatever."""
         if self.budget is None:
             return True
         reserved = sum(running)
-
-        def free() -> int:  # idle sessions and queued checkpoint copies count until they are gone
-            return self.budget - self._weights() - reserved - sum(p.idle_bytes() for p in pools) \
-                - cache_limit(self.budget)
-
         for pool in pools:
-            if (short := need - free()) <= 0:
+            if (short := need - self.room(reserved, pools)) <= 0:
                 break
             pool.shed(short)  # an evicted session's checkpoint copy counts until it is written
-        free = free()
+        free = self.room(reserved, pools)
         self.count(reserved, pools)
         if free >= need:
             return True

@@ -19,6 +19,7 @@ import hashlib
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import mlx.core as mx
 
@@ -82,14 +83,16 @@ def footprint(spec: ModelSpec) -> int:
     return weights
 
 
-def open_slot(slot: ModelSlot, *, ctx: int | None, cache: CacheSettings, max_output_tokens: int | None) -> None:
-    """Load the slot's model, its session pool and its batch (slow: any thread but the event loop's)."""
+def open_slot(slot: ModelSlot, *, ctx: int | None, cache: CacheSettings, max_output_tokens: int | None,
+              copy_room: Callable[[int], bool] | None = None) -> None:
+    """Load the slot's model, its session pool and its batch (slow: any thread but the event
+    loop's). `copy_room`: the memory budget's check for a checkpoint's host copy (SessionPool)."""
     spec = slot.spec
     lm = load_model(spec.path, model_id=spec.id, ctx=ctx, options=spec.options)
     lm.default_max_output_tokens = max_output_tokens
     if spec.draft is not None:
         slot.draft = _open_draft(lm, spec.draft)
-    slot.pool = _make_pool(lm, cache, slot.calls, spec.options.ranks)
+    slot.pool = _make_pool(lm, cache, slot.calls, spec.options.ranks, copy_room)
     slot.batch = Batch(lm)
     log_prefill_alone(lm)
     if "text" in lm.capabilities:
@@ -123,7 +126,8 @@ def _open_draft(lm: LoadedModel, path: Path) -> LoadedModel:
     return draft
 
 
-def _make_pool(lm: LoadedModel, cs: CacheSettings, calls: CallMemory, ranks: Ranks | None) -> SessionPool:
+def _make_pool(lm: LoadedModel, cs: CacheSettings, calls: CallMemory, ranks: Ranks | None,
+               copy_room: Callable[[int], bool] | None) -> SessionPool:
     fingerprint = lm.fingerprint
     if cs.kv_bits:  # checkpoints of quantized KV belong to their own folder
         lm.kv_cache = f"{cs.kv_bits}-bit, group {cs.kv_group_size}"
@@ -138,7 +142,7 @@ def _make_pool(lm: LoadedModel, cs: CacheSettings, calls: CallMemory, ranks: Ran
     # Across ranks each writes its shard of a checkpoint in a folder of its own (serve.py),
     # and a restore needs every rank's.
     agree = None if ranks is None else (lambda tokens: same_everywhere(tokens, ranks))
-    pool = SessionPool(lm.model, lm.tokenizer, cs, disk, agree)
+    pool = SessionPool(lm.model, lm.tokenizer, cs, disk, agree, copy_room)
     if cs.kv_bits:  # a quantized cache the model cannot use is a start-up error, not a 500 later
         try:
             mx.eval(lm.runner.forward(mx.array([[0]]), pool.new_cache()))

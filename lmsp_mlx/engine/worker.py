@@ -37,7 +37,7 @@ from .batch import chunk_size, next_prefill, prefill_group
 from .catalog import Catalog
 from .generate import GenerationParams
 from .loader import LoadedModel
-from .memory import HeapTrimmer
+from ..cache.heap import HeapTrimmer
 from .models import ModelSet
 from ..settings import CacheSettings, EngineSettings, SpeculateMode
 from .admission import MemoryFigures, MemoryGate, cache_limit, out_of_memory
@@ -211,7 +211,7 @@ class Engine:
         self._held: list[Job] = []  # taken from the queue, waiting for memory (engine/admission.py), in arrival order
         self.gate: MemoryGate | None = None  # set at start, with the memory budget
         self._job_seconds = 1.0  # a moving average of the time a job holds the worker (for Retry-After)
-        self._trim_heap = HeapTrimmer()  # after sequences end: see engine/memory.py
+        self._trim_heap = HeapTrimmer()  # after steps, at most every 5 s: see cache/heap.py
         self._lockstep = lockstep
         self._agreed_cancels: set[int] = set()  # under lockstep: the job ids this step ends cancelled
         self._idle = False  # under lockstep: the last tick brought nothing and nothing runs
@@ -251,7 +251,7 @@ class Engine:
             if slot.size_bytes == 0:
                 slot.size_bytes = footprint(slot.spec)
             open_slot(slot, ctx=self.settings.ctx, cache=self._cache_settings,
-                      max_output_tokens=self.settings.max_output_tokens)
+                      max_output_tokens=self.settings.max_output_tokens, copy_room=self._copy_fits)
         log.info("batch for %s: up to %d sequences decode together (--max-batch)", slot.id, self.max_batch)
 
     async def _load(self, slot: ModelSlot) -> None:
@@ -470,6 +470,7 @@ class Engine:
                 log.exception("a batch step failed: its sequences fail, the worker goes on")
                 for run in list(self._active):
                     self._fail(run, exc)
+            self._trim_heap()  # at most every 5 s: a long prefill's freed buffers too (cache/heap.py)
         for slot in list(self.models.slots.values()):
             if slot.pool is not None:
                 slot.pool.close()  # checkpoints the resident sessions
@@ -495,6 +496,8 @@ class Engine:
         wait for memory first, in arrival order; True once the stop sign came."""
         self._end_cancelled_held()
         if not self._active and not self._held and not stopping:  # idle: wait for work
+            if self._jobs.empty():
+                self._trim_heap(idle=True)
             stopping = not self._take(self._jobs.get())
         while not stopping and len(self._active) < self.max_batch:
             if self._held:
@@ -521,6 +524,13 @@ class Engine:
     def _fits(self, job: Job) -> bool:
         pools = [s.pool for s in list(self.models.slots.values()) if s.pool is not None]
         return self.gate.fits(job.kv_need, (r.job.kv_need for r in self._active), pools, alone=not self._active)
+
+    def _copy_fits(self, nbytes: int) -> bool:
+        """Whether a checkpoint's host copy of `nbytes` fits the memory budget now (the worker
+        thread's, as a turn ends: SessionPool.copy_room)."""
+        pools = [s.pool for s in list(self.models.slots.values()) if s.pool is not None]
+        room = self.gate.room(sum(r.job.kv_need for r in self._active), pools)
+        return room is None or room >= nbytes
 
     def _end_cancelled_held(self) -> None:
         for job in [j for j in self._held if j.cancelled]:
@@ -812,13 +822,12 @@ class Engine:
         return f" speculation={d.accepted}/{d.drafted}"
 
     def _count_kv(self) -> None:
-        """After a sequence ended: the resident KV for /metrics, and the heap's free pages back to the OS."""
+        """After a sequence ended: the resident KV for /metrics."""
         try:  # bookkeeping: a failure here must not fail the step
             sessions = [s for slot in list(self.models.slots.values()) if slot.pool is not None
                         for s in list(slot.pool.sessions)]
             self.counters.kv_sessions, self.counters.kv_bytes = len(sessions), sum(s.nbytes for s in sessions)
             self._count_memory()
-            self._trim_heap()
         except Exception:
             log.exception("the resident KV could not be counted")
 
