@@ -11,7 +11,8 @@ fits beside the weights and the others': the rest wait, and every request is ans
 Writes benchmarks/results/memory_budget.csv (one row per run) with the run's provenance:
 the statuses, the peak RSS against the budget plus the runtime's own (Python, MLX, Quart,
 the tokenizer: the RSS at start less the weights, about 250 MiB here), MLX's active and
-cached memory at their peaks, and the waits /metrics counted.
+cached memory at their peaks, the peak of the memory outside MLX's (the RSS less both, read
+together), and the waits /metrics counted.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from benchmarks.common import Provenance, output_arguments, own_state, server_co
 from benchmarks.soak.monitor import rss_mib
 
 FIELDS = ("budget_mib", "clients", "prompt_tokens", "max_tokens", "answered_200", "statuses", "rss_start_mib",
-          "runtime_mib", "rss_peak_mib", "rss_limit_mib", "within", "mlx_active_peak_mib", "mlx_cache_peak_mib", "memory_waits",
+          "runtime_mib", "rss_peak_mib", "rss_limit_mib", "within", "mlx_active_peak_mib", "mlx_cache_peak_mib", "outside_mlx_peak_mib", "memory_waits",
           "weights_mib", "seconds")
 
 
@@ -62,18 +63,21 @@ def main() -> None:
         peak = [start_rss]
         done = threading.Event()
 
-        mlx = {"active": [0.0], "cache": [0.0]}
+        mlx = {"active": [0.0], "cache": [0.0], "outside": [0.0]}
 
         def sample() -> None:
-            while not done.is_set():
+            while not done.wait(0.1):
                 if (now := rss_mib(pid)) is not None:
                     peak.append(now)
                 try:
-                    mlx["active"].append(metric(server.url, "lmsp_mlx_active_bytes") / 2**20)
-                    mlx["cache"].append(metric(server.url, "lmsp_mlx_cache_bytes") / 2**20)
+                    active = metric(server.url, "lmsp_mlx_active_bytes") / 2**20
+                    cache = metric(server.url, "lmsp_mlx_cache_bytes") / 2**20
                 except httpx.HTTPError:
-                    pass
-                time.sleep(0.1)
+                    continue
+                mlx["active"].append(active)
+                mlx["cache"].append(cache)
+                if now is not None:  # the process's memory outside MLX's: Python, the heap, host copies
+                    mlx["outside"].append(now - active - cache)
 
         statuses: list[int] = []
 
@@ -103,7 +107,8 @@ def main() -> None:
            "statuses": " ".join(map(str, sorted(statuses))), "rss_start_mib": round(start_rss or 0), "runtime_mib": round(runtime),
            "rss_peak_mib": round(max(x for x in peak if x is not None)), "rss_limit_mib": round(limit),
            "within": max(x for x in peak if x is not None) <= limit, "mlx_active_peak_mib": round(max(mlx["active"])),
-           "mlx_cache_peak_mib": round(max(mlx["cache"])), "memory_waits": int(waits),
+           "mlx_cache_peak_mib": round(max(mlx["cache"])), "outside_mlx_peak_mib": round(max(mlx["outside"])),
+           "memory_waits": int(waits),
            "weights_mib": round(weights), "seconds": round(seconds, 1)}
     write_rows("memory_budget", [row], provenance, out=args.out, append=args.append, fields=FIELDS)
     print(row)
