@@ -521,15 +521,17 @@ class Engine:
             return True
         return self._admit(job)
 
+    def _pools(self) -> list:
+        """The loaded models' session pools (what the memory budget counts besides the weights)."""
+        return [s.pool for s in list(self.models.slots.values()) if s.pool is not None]
+
     def _fits(self, job: Job) -> bool:
-        pools = [s.pool for s in list(self.models.slots.values()) if s.pool is not None]
-        return self.gate.fits(job.kv_need, (r.job.kv_need for r in self._active), pools, alone=not self._active)
+        return self.gate.fits(job.kv_need, (r.job.kv_need for r in self._active), self._pools(), alone=not self._active)
 
     def _copy_fits(self, nbytes: int) -> bool:
         """Whether a checkpoint's host copy of `nbytes` fits the memory budget now (the worker
         thread's, as a turn ends: SessionPool.copy_room)."""
-        pools = [s.pool for s in list(self.models.slots.values()) if s.pool is not None]
-        room = self.gate.room(sum(r.job.kv_need for r in self._active), pools)
+        room = self.gate.room(sum(r.job.kv_need for r in self._active), self._pools())
         return room is None or room >= nbytes
 
     def _end_cancelled_held(self) -> None:
@@ -833,8 +835,7 @@ class Engine:
 
     def _count_memory(self) -> None:
         """The memory budget's figures for /metrics: when a sequence joins or ends, not every step."""
-        self.gate.count(sum(r.job.kv_need for r in self._active),
-                        [s.pool for s in list(self.models.slots.values()) if s.pool is not None])
+        self.gate.count(sum(r.job.kv_need for r in self._active), self._pools())
 
     def _log(self, job: Job, lm: LoadedModel, status: str, usage: Usage, prefill: float, decode: float, extra: str = "") -> None:
         c = self.counters
