@@ -89,6 +89,11 @@ def _model_flags(p: argparse._ArgumentGroup) -> None:
                         "(each grown to its output limit) and their resident KV sessions; a sequence waits until "
                         "its KV fits, a request whose KV never could is a 507 (default: the available memory less "
                         "10%%, at least 1 GiB)")
+    p.add_argument("--memory-budget-scope", choices=("process", "models"), default="process",
+                   help="process: the process's memory outside MLX's (requests, the store, Python objects), grown "
+                        "past what it held once the first models loaded, takes room from the budget too (read on "
+                        "Linux's CPU device); models: the budget counts what the models hold only, for a process "
+                        "shared with other work (default process)")
     p.add_argument("--max-loaded-models", type=int, default=1,
                    help="models loaded at once; a request for another evicts the least recently used idle one, "
                         "its KV sessions checkpointed first (default 1)")
@@ -206,6 +211,7 @@ def _engine(args: argparse.Namespace) -> EngineSettings:
         chat_template=args.chat_template, chat_template_args=args.chat_template_args,
         model_aliases=tuple(args.model_alias), models_dir=args.models_dir,
         memory_budget_bytes=None if args.memory_budget_mb is None else int(args.memory_budget_mb * MiB),
+        memory_budget_scope=args.memory_budget_scope,
         max_loaded_models=args.max_loaded_models, keep_alive=args.keep_alive, pin=args.pin, ctx=args.ctx,
         max_batch=args.max_batch, max_queue=args.max_queue, max_output_tokens=args.max_output_tokens,
         prefill_chunk=args.prefill_chunk, num_draft_tokens=args.num_draft_tokens, pipeline=args.pipeline,

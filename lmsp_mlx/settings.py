@@ -26,6 +26,7 @@ from typing import Literal
 LogLevel = Literal["debug", "info", "warning", "error"]
 Backend = Literal["metal", "cuda", "cpu"]
 SpeculateMode = Literal["off", "ngram", "draft"]  # --speculate (engine/speculate.py)
+BudgetScope = Literal["process", "models"]  # --memory-budget-scope (engine/admission.py)
 MiB = 2**20
 
 
@@ -58,6 +59,7 @@ class EngineSettings:
     model_aliases: tuple[tuple[str, str], ...] = ()  # (glob pattern, model id): the first match wins
     models_dir: Path | None = None  # the model store (None: engine/model_store.py's default)
     memory_budget_bytes: int | None = None  # what loaded weights may take (None: the available memory less a margin)
+    memory_budget_scope: BudgetScope = "process"  # process: the growth of memory outside MLX's counts too
     max_loaded_models: int = 1
     keep_alive: float = 300.0  # seconds an unused model stays loaded; math.inf: for ever
     pin: bool = False  # the --model models load at start and stay loaded

@@ -9,7 +9,9 @@ weights, and a KV of 128 KiB per 256 tokens."""
 from __future__ import annotations
 
 import threading
+import time
 
+import numpy as np
 import pytest
 from tests.helpers import HTTP, ask
 from tests.test_families import on_the_mlx_runner
@@ -35,9 +37,21 @@ def tight(start_module_server, tiny_model_dir, figures):
     weights, kv = figures
     need = kv.bytes_for(len(ENDLESS) + LONG + 64)
     budget = weights + 2 * need + need // 2
+    # The in-process server shares this process with pytest and its clients, whose memory
+    # is not the server's: the budget counts what the model holds only.
+    server = start_module_server("--model", str(tiny_model_dir), "--model-id", "tiny",
+                                 "--memory-budget-mb", f"{budget / MiB:.6f}", "--memory-budget-scope", "models")
+    server.budget, server.need = budget, need
+    return server
+
+
+@pytest.fixture(scope="module")
+def roomy(start_module_server, tiny_model_dir, figures):
+    """A budget with 160 MiB beside the weights, counting the whole process (the default)."""
+    weights, _ = figures
+    budget = weights + 160 * MiB
     server = start_module_server("--model", str(tiny_model_dir), "--model-id", "tiny",
                                  "--memory-budget-mb", f"{budget / MiB:.6f}")
-    server.budget, server.need = budget, need
     return server
 
 
@@ -112,3 +126,44 @@ def test_every_familys_kv_growth_is_measured_on_the_mlx_runner(arch, tmp_path):
     assert kv.fixed > 0 and kv.bytes_for(4096) >= kv.bytes_for(256) >= kv.fixed
     if arch in ("llama", "deepseek_v3"):  # only full-attention caches: they grow block by block
         assert kv.per_token > 0 and kv.bytes_for(257) > kv.bytes_for(256)
+
+
+def test_the_processs_memory_outside_mlx_takes_room_from_the_budget(roomy):
+    """Memory the process grew outside MLX's (here 512 MiB this process holds, as a server's
+    requests, store and objects would) leaves no room for a second sequence: it waits for the
+    first to end. Once that memory is freed, two run at once again."""
+    def while_one_runs(then):
+        with HTTP.stream("POST", roomy.url + "/lmsp/v1/responses", timeout=60,
+                         json=ask(max_output_tokens=20_000, stream=True)) as first:
+            lines = first.iter_lines()  # kept: a closed line iterator closes the stream
+            next(line for line in lines if "output_text.delta" in line)  # it runs
+            return then()
+
+    # Freed memory: two sequences run at once, none waits.
+    waits = metrics(roomy)["lmsp_memory_waits_total"]
+    second = while_one_runs(lambda: HTTP.post(roomy.url + "/lmsp/v1/responses", json=ask(), timeout=60))
+    assert second.status_code == 200 and metrics(roomy)["lmsp_memory_waits_total"] == waits
+
+    ballast = np.ones(512 * MiB, dtype=np.uint8)  # touched: resident
+    results: list[int] = []
+
+    def second_waits():
+        asked = threading.Thread(target=lambda: results.append(
+            HTTP.post(roomy.url + "/lmsp/v1/responses", json=ask(), timeout=60).status_code))
+        asked.start()
+        deadline = time.monotonic() + 30
+        while metrics(roomy)["lmsp_memory_waits_total"] == waits and time.monotonic() < deadline:
+            time.sleep(0.05)
+        held = metrics(roomy)
+        return asked, held  # the first ends as its stream closes: then the second runs
+
+    asked, held = while_one_runs(second_waits)
+    asked.join()
+    assert results == [200]
+    assert held["lmsp_memory_waits_total"] == waits + 1
+    assert held['lmsp_memory_held_bytes{kind="host"}'] >= 450 * MiB
+    assert "host growth" in roomy.log()
+    del ballast
+
+    after = while_one_runs(lambda: HTTP.post(roomy.url + "/lmsp/v1/responses", json=ask(), timeout=60))
+    assert after.status_code == 200 and metrics(roomy)["lmsp_memory_waits_total"] == waits + 1

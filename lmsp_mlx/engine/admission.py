@@ -15,16 +15,25 @@ memory for the writer: that copy is made only where `room` holds it, else the ch
 waits for the session's eviction (whose copy replaces the memory it frees) or shutdown
 (cache/pool.py, `copy_room`).
 
+The process's memory outside MLX's (its Python objects, the requests' buffers, the store)
+is the runtime's own, measured once the first models are loaded (`HostGrowth`); where it
+grows past that by more than a noise floor, the growth takes room from the budget too, so
+the whole process stays within the budget plus the runtime's own.
+
 Invariant: the KV reserved for running sequences plus the idle resident sessions plus the
-loaded weights stay within the budget, except where a sequence runs alone (nothing else
-to wait for: it is admitted whatever, logged).
+loaded weights plus the host growth stay within the budget, except where a sequence runs
+alone (nothing else to wait for: it is admitted whatever, logged).
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import sys
 from dataclasses import dataclass
 from typing import Callable, Iterable
+
+import mlx.core as mx
 
 from .footprint import gb
 
@@ -53,13 +62,61 @@ class MemoryFigures:
     weights: int = 0
     kv_reserved: int = 0  # the running sequences', each grown to its limit
     kv_resident: int = 0  # idle resident sessions
+    host: int = 0  # the process's memory outside MLX's, grown past the runtime's own
     waits: int = 0  # sequences that waited for memory before joining
 
 
+HOST_NOISE = 16 * 2**20  # host growth below this is not counted: see HostGrowth
+
+
+class HostGrowth:
+    """How far the process's memory outside MLX's (its resident size less MLX's active and
+    cached buffers, read together) has grown past where it stood once the first models were
+    loaded (`start`): the runtime's own, which the budget does not cover.
+
+    Read where MLX's arrays are in the process's heap (Linux, the CPU device), from
+    /proc/self/statm; elsewhere (Metal, CUDA: MLX's buffers are the device's) it reads 0, as
+    `start` logs. Growth under `noise` is not counted: a Python process's first requests
+    import modules and open thread arenas (a few MiB), and a budget of a few MiB must keep
+    its figures; what a soak's 16 clients hold (buffers, the store, objects) is 50-100 MiB."""
+
+    def __init__(self, noise: int = HOST_NOISE) -> None:
+        self.noise = noise
+        self._base: int | None = None
+        self._page = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+
+    def start(self) -> None:
+        readable = sys.platform.startswith("linux") and mx.default_device().type == mx.DeviceType.cpu
+        self._base = self._outside() if readable else None
+        if self._base is None:
+            log.info("memory: the process's memory outside MLX's is not read on this platform; "
+                     "the budget counts MLX's memory only")
+        else:
+            log.info("memory: the runtime's own memory outside MLX's is %s; growth past it by more "
+                     "than %s takes room from the budget", gb(self._base), gb(self.noise))
+
+    def _outside(self) -> int | None:
+        try:
+            with open("/proc/self/statm", "rb") as f:
+                rss = int(f.read().split()[1]) * self._page
+        except (OSError, ValueError, IndexError):
+            return None
+        return rss - mx.get_active_memory() - mx.get_cache_memory()
+
+    def __call__(self) -> int:
+        """The growth counted now, bytes (0 before `start`, or where it is not read)."""
+        if self._base is None or (now := self._outside()) is None:
+            return 0
+        grown = now - self._base
+        return grown if grown > self.noise else 0
+
+
 class MemoryGate:
-    def __init__(self, budget: int | None, source: str, weights: Callable[[], int]) -> None:
+    def __init__(self, budget: int | None, source: str, weights: Callable[[], int],
+                 host: Callable[[], int] = lambda: 0) -> None:
         self.budget, self.source = budget, source
         self._weights = weights  # the loaded models' weights, bytes
+        self._host = host  # the process's memory outside MLX's, grown past the runtime's own (HostGrowth)
         self.figures = MemoryFigures(budget=budget)
 
     @staticmethod
@@ -95,11 +152,12 @@ class MemoryGate:
 
     def room(self, reserved: int, pools: list) -> int | None:
         """The budget's bytes free beside the weights, the running sequences' reservations
-        (`reserved`), the idle resident sessions, the checkpoint copies queued for writing and
-        MLX's buffer cache; None: no budget."""
+        (`reserved`), the idle resident sessions, the checkpoint copies queued for writing,
+        MLX's buffer cache and the host growth; None: no budget."""
         if self.budget is None:
             return None
-        return self.budget - self._weights() - reserved - sum(p.idle_bytes() for p in pools) - cache_limit(self.budget)
+        held = self._weights() + reserved + sum(p.idle_bytes() for p in pools) + self._host()
+        return self.budget - held - cache_limit(self.budget)
 
     def fits(self, need: int, running: Iterable[int], pools: list, alone: bool) -> bool:
         """Whether a sequence needing `need` bytes may join beside the running ones (their
@@ -126,3 +184,4 @@ class MemoryGate:
         """Refresh the figures /metrics shows."""
         f = self.figures
         f.weights, f.kv_reserved, f.kv_resident = self._weights(), reserved, sum(p.idle_bytes() for p in pools)
+        f.host = self._host()

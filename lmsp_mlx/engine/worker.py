@@ -40,7 +40,7 @@ from .loader import LoadedModel
 from ..cache.heap import HeapTrimmer
 from .models import ModelSet
 from ..settings import CacheSettings, EngineSettings, SpeculateMode
-from .admission import MemoryFigures, MemoryGate, cache_limit, out_of_memory
+from .admission import HostGrowth, MemoryFigures, MemoryGate, cache_limit, out_of_memory
 from .footprint import budget_bytes, gb
 from .slot import ModelSlot, ModelSpec, SlotState, close_slot, footprint, open_slot
 from .sequence import Phase, Sequence
@@ -225,7 +225,9 @@ class Engine:
         """Load the default model and the pinned ones (or raise why not), then start the worker."""
         first = None
         budget, source = budget_bytes(self.settings.memory_budget_bytes)
-        self.gate = MemoryGate(budget, source, lambda: sum(s.size_bytes for s in list(self.models.slots.values())))
+        host = HostGrowth()
+        self.gate = MemoryGate(budget, source, lambda: sum(s.size_bytes for s in list(self.models.slots.values())),
+                               host=host if self.settings.memory_budget_scope == "process" else lambda: 0)
         if budget is not None:
             mx.set_cache_limit(cache_limit(budget))
         self.models = ModelSet(self.catalog.find, self._load, self._retire, max_loaded=self.settings.max_loaded_models,
@@ -239,6 +241,8 @@ class Engine:
             slot.last_used = time.monotonic()
             self.models.adopt(slot)
             first = first or slot.lm
+        if budget is not None and self.settings.memory_budget_scope == "process":
+            host.start()  # the runtime's own, with the first models loaded
         self._thread.start()
         return first
 
@@ -516,8 +520,10 @@ class Engine:
         if isinstance(job, Job) and not job.cancelled and not self._fits(job):
             self._held.append(job)
             self.gate.figures.waits += 1
-            log.info("memory: a request waits for memory (its KV grows to %s; %d running reserve %s)",
-                     gb(job.kv_need), len(self._active), gb(sum(r.job.kv_need for r in self._active)))
+            f = self.gate.figures
+            log.info("memory: a request waits for memory (its KV grows to %s; %d running reserve %s; "
+                     "resident sessions %s; host growth %s)", gb(job.kv_need), len(self._active),
+                     gb(f.kv_reserved), gb(f.kv_resident), gb(f.host))
             return True
         return self._admit(job)
 

@@ -51,7 +51,8 @@ def render(snap: EngineSnapshot, http_statuses: Mapping[int, int]) -> str:
         *([] if snap.memory.budget is None else _gauge("lmsp_memory_budget_bytes", snap.memory.budget)),
         *_labelled_gauge("lmsp_memory_held_bytes", "kind", [("weights", snap.memory.weights),
                                                             ("kv_reserved", snap.memory.kv_reserved),
-                                                            ("kv_resident", snap.memory.kv_resident)]),
+                                                            ("kv_resident", snap.memory.kv_resident),
+                                                            ("host", snap.memory.host)]),
         *_counter("lmsp_memory_waits_total", snap.memory.waits),
         *_labelled("lmsp_http_responses_total", "code", http_statuses.items()),
     ]
