@@ -229,8 +229,23 @@ def test_a_model_larger_than_one_ranks_budget_serves_over_two(llama, tmp_path):
     assert alone.returncode == 2 and "needs about" in alone.stderr and "Traceback" not in alone.stderr
     split = launched(llama, tmp_path / "split", "--memory-budget-mb", budget)
     try:
-        complete(split, [5, 6, 7, 8], 4)  # answers 200
+        complete(split, [5, 6, 7, 8], 4)  # answers 200; its session stays resident on both ranks
         assert "this rank's part of 2" in split.log()
+        # What the budget leaves beside a rank's weights is less than one sequence's KV: a
+        # sequence runs alone, a second waits for it (rank 0 decides for every rank), and the
+        # resident session gives way on both ranks.
+        with HTTP.stream("POST", split.url + "/v1/completions", timeout=60, json={
+                "model": "m", "prompt": [12, 13, 14, 15, 16], "max_tokens": 24, "temperature": 0,
+                "ignore_eos": True, "stream": True}) as first:
+            lines = first.iter_lines()  # kept: a closed line iterator closes the stream
+            next(line for line in lines if line.startswith("data: {"))
+            complete(split, [9, 10, 11], 4)  # waits for the first, then answers 200
+            assert "data: [DONE]" in list(lines)
+        metrics = HTTP.get(split.url + "/metrics").text.splitlines()
+        assert "lmsp_memory_waits_total 1" in metrics
+        log = split.log()
+        assert "memory: a request waits for memory" in log and "lost the other ranks" not in log
+        assert "memory budget: evicting a session" in log and "memory budget (rank 0's): evicting a session" in log
     finally:
         split.stop()
 

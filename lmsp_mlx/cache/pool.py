@@ -90,6 +90,7 @@ class SessionPool:
         self.agree = agree
         self.copy_room = copy_room
         self.sessions: list[Session] = []
+        self.shed_total = 0  # sessions the memory budget evicted (`shed`, `shed_sessions`)
 
     def new_cache(self) -> list:
         """Empty per-layer caches: the model's own, quantized under --kv-bits where every
@@ -379,13 +380,27 @@ class SessionPool:
 
     def shed(self, nbytes: int) -> int:
         """Evict idle sessions, least recently used first, until `nbytes` are freed (the
-        memory budget needs room for a sequence: engine/admission.py); returns the bytes freed."""
+        memory budget needs room for a sequence: engine/admission.py); returns the bytes freed.
+        `shed_total` counts the sessions so evicted (rank 0 tells the other ranks how many)."""
         freed = 0
-        while freed < nbytes and (idle := [s for s in self.sessions if not s.in_use]):
-            victim = min(idle, key=lambda s: s.last_used)
+        while freed < nbytes and (victim := self._oldest_idle()) is not None:
             freed += victim.nbytes
+            self.shed_total += 1
             self._evict(victim, "memory budget")
         return freed
+
+    def shed_sessions(self, count: int) -> None:
+        """Under lockstep, on the ranks other than 0: evict the `count` least recently used idle
+        sessions, as rank 0's `shed` did (the ranks' pools hold the same sessions in the same order)."""
+        for _ in range(count):
+            if (victim := self._oldest_idle()) is None:
+                break
+            self.shed_total += 1
+            self._evict(victim, "memory budget (rank 0's)")
+
+    def _oldest_idle(self) -> Session | None:
+        idle = [s for s in self.sessions if not s.in_use]
+        return min(idle, key=lambda s: s.last_used) if idle else None
 
     def _evict(self, victim: Session, why: str) -> None:
         """Out of memory: to disk where it is worth keeping, else dropped; one log line."""

@@ -47,6 +47,7 @@ class Tick:
     joined: list[JobSpec] = field(default_factory=list)
     cancelled: list[int] = field(default_factory=list)  # JobSpec ids whose runs end cancelled now
     stop: bool = False
+    shed: tuple[tuple[str, int], ...] = ()  # (model, sessions): the idle sessions rank 0's memory budget evicted
 
 
 class Lockstep:
@@ -77,7 +78,7 @@ class Lockstep:
         if not self._seeded:
             same_random_state(self.ranks)
             self._seeded = True
-        quiet = tick is not None and not (tick.joined or tick.cancelled or tick.stop)
+        quiet = tick is not None and not (tick.joined or tick.cancelled or tick.stop or tick.shed)
         agreed = share(None if quiet else tick, self.ranks) or Tick()  # most steps: one collective of 0
         if self._ticks % MEMORY_EVERY == 0:  # the same ticks on every rank: a collective they all reach
             self.memory = gather_memory(self.ranks)

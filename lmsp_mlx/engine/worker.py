@@ -518,21 +518,27 @@ class Engine:
     def _take(self, job: Job | None) -> bool:
         """`_admit` a job from the queue, or hold it until its KV fits the memory budget."""
         if isinstance(job, Job) and not job.cancelled and not self._fits(job):
-            self._held.append(job)
-            self.gate.figures.waits += 1
-            f = self.gate.figures
-            log.info("memory: a request waits for memory (its KV grows to %s; %d running reserve %s; "
-                     "resident sessions %s; host growth %s)", gb(job.kv_need), len(self._active),
-                     gb(f.kv_reserved), gb(f.kv_resident), gb(f.host))
+            self._hold(job)
             return True
         return self._admit(job)
+
+    def _hold(self, job: Job) -> None:
+        """The job waits for memory, first in line (none is taken from the queue meanwhile)."""
+        self._held.append(job)
+        self.gate.figures.waits += 1
+        f = self.gate.figures
+        log.info("memory: a request waits for memory (its KV grows to %s; %d running reserve %s; "
+                 "resident sessions %s; host growth %s)", gb(job.kv_need), len(self._active),
+                 gb(f.kv_reserved), gb(f.kv_resident), gb(f.host))
 
     def _pools(self) -> list:
         """The loaded models' session pools (what the memory budget counts besides the weights)."""
         return [s.pool for s in list(self.models.slots.values()) if s.pool is not None]
 
-    def _fits(self, job: Job) -> bool:
-        return self.gate.fits(job.kv_need, (r.job.kv_need for r in self._active), self._pools(), alone=not self._active)
+    def _fits(self, job: Job, joining: list[Job] | None = None) -> bool:
+        """Whether `job` fits beside the running jobs and those `joining` with it this step."""
+        running = [r.job.kv_need for r in self._active] + [j.kv_need for j in joining or []]
+        return self.gate.fits(job.kv_need, running, self._pools(), alone=not running)
 
     def _copy_fits(self, nbytes: int) -> bool:
         """Whether a checkpoint's host copy of `nbytes` fits the memory budget now (the worker
@@ -554,36 +560,62 @@ class Engine:
         if not lockstep.leads and not self._active and self._idle:
             time.sleep(IDLE_TICK)  # rank 0 waits as long for a job before its next tick
         if lockstep.leads:
-            waiting: list[Job | None] = []
-            if not self._active and not stopping:
-                try:
-                    waiting.append(self._jobs.get(timeout=IDLE_TICK))
-                except queue.Empty:
-                    pass
-            while not stopping and len(self._active) + len(waiting) < self.max_batch:
-                try:
-                    waiting.append(self._jobs.get_nowait())
-                except queue.Empty:
-                    break
-            for job in waiting:
-                if job is None:
-                    stopping = True
-                elif job is not _WAKE and job.cancelled:  # it never started: rank 0 ends it alone
-                    job.started = True
-                    self._end_unstarted(job)
-                elif job is not _WAKE:
-                    job.id = lockstep.next_id()
-                    joined.append(job)
+            joined, stopping, shed = self._lead_joins(stopping)
             tick = Tick([spec_of(j.id, j.slot.id, j.params, j.route, j.text, j.visible, j.keep_history, j.conv)
-                         for j in joined], [r.job.id for r in self._active if r.job.cancelled], stopping)
+                         for j in joined], [r.job.id for r in self._active if r.job.cancelled], stopping, shed)
         tick = lockstep.agree(tick)
         if not lockstep.leads:
+            for model, sessions in tick.shed:  # the resident sessions rank 0's memory budget evicted
+                self.models.slots[model].pool.shed_sessions(sessions)
             joined = [self._mirror(spec) for spec in tick.joined]
         self._agreed_cancels = set(tick.cancelled)
         for job in joined:
             self._admit(job)
         self._idle = not tick.joined and not self._active
         return tick.stop
+
+    def _lead_joins(self, stopping: bool) -> tuple[list[Job], bool, tuple[tuple[str, int], ...]]:
+        """Rank 0's part of `_join_agreed`: the jobs that join now, as `_join_waiting` takes
+        them (the memory budget's waiting first, none overtaking), whether the stop sign came,
+        and how many idle sessions of each model the budget evicted to make room (every rank
+        evicts the same: their pools hold the same sessions in the same order). Rank 0's
+        figures stand for every rank's: the ranks hold equal parts of the weights and KV."""
+        self._end_cancelled_held()  # held jobs never reached the others: rank 0 ends them alone
+        before = {s.id: s.pool.shed_total for s in list(self.models.slots.values()) if s.pool is not None}
+        joined: list[Job] = []
+        taken: list[Job | None] = []  # idle: what a wait of at most IDLE_TICK brought (None: the stop sign)
+        if not self._active and not self._held and not stopping:
+            try:
+                taken.append(self._jobs.get(timeout=IDLE_TICK))
+            except queue.Empty:
+                pass
+        while not stopping and len(self._active) + len(joined) < self.max_batch:
+            if self._held:
+                if not self._fits(self._held[0], joined):
+                    break  # the first in line waits for a running sequence to end
+                job = self._held.pop(0)
+            else:
+                try:
+                    job = taken.pop() if taken else self._jobs.get_nowait()
+                except queue.Empty:
+                    break
+                if job is None:
+                    stopping = True
+                    break
+                if job is _WAKE:
+                    continue
+                if job.cancelled:  # it never started: rank 0 ends it alone
+                    job.started = True
+                    self._end_unstarted(job)
+                    continue
+                if not self._fits(job, joined):
+                    self._hold(job)
+                    break
+            job.id = self._lockstep.next_id()
+            joined.append(job)
+        shed = tuple((s.id, s.pool.shed_total - before[s.id]) for s in list(self.models.slots.values())
+                     if s.pool is not None and s.pool.shed_total > before.get(s.id, s.pool.shed_total))
+        return joined, stopping, shed
 
     def _mirror(self, spec: JobSpec) -> Job:
         """Rank 0's job on this rank: the same work, its events dropped."""
@@ -606,6 +638,9 @@ class Engine:
         for run in list(self._active):
             run.job.emit(failure)
         self._active.clear()
+        for job in self._held:
+            job.emit(failure)
+        self._held.clear()
         while True:
             try:
                 job = self._jobs.get_nowait()
