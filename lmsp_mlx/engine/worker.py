@@ -211,7 +211,7 @@ class Engine:
         self._held: list[Job] = []  # taken from the queue, waiting for memory (engine/admission.py), in arrival order
         self.gate: MemoryGate | None = None  # set at start, with the memory budget
         self._job_seconds = 1.0  # a moving average of the time a job holds the worker (for Retry-After)
-        self._trim_heap = HeapTrimmer()  # after steps, at most every 5 s: see cache/heap.py
+        self._trim_heap = HeapTrimmer()  # after steps, at most every second: see cache/heap.py
         self._lockstep = lockstep
         self._agreed_cancels: set[int] = set()  # under lockstep: the job ids this step ends cancelled
         self._idle = False  # under lockstep: the last tick brought nothing and nothing runs
@@ -474,7 +474,7 @@ class Engine:
                 log.exception("a batch step failed: its sequences fail, the worker goes on")
                 for run in list(self._active):
                     self._fail(run, exc)
-            self._trim_heap()  # at most every 5 s: a long prefill's freed buffers too (cache/heap.py)
+            self._trim_heap()  # at most every second: a long prefill's freed buffers too (cache/heap.py)
         for slot in list(self.models.slots.values()):
             if slot.pool is not None:
                 slot.pool.close()  # checkpoints the resident sessions
