@@ -193,6 +193,8 @@ class InProcessServer(_LogFile):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.args = private_args(args, log_path.parent)
+        if "--memory-budget-scope" not in self.args:  # this process is pytest's and its clients' too
+            self.args = [*self.args, "--memory-budget-scope", "models"]
         self.name = f"srv{self.port}"
         settings = flags.parse(["--port", str(self.port), *self.args])
         self._handler = logging.FileHandler(log_path)

@@ -51,9 +51,8 @@ def test_disconnect_during_prefill_stops_within_a_chunk(tiny_server):
     long_prompt = "many words " * 2500  # about 28k tokens: 100+ prefill chunks
     with httpx.Client(base_url=tiny_server.url, timeout=60) as c:
         with c.stream("POST", "/lmsp/v1/responses", json=ask(long_prompt, stream=True)) as r:
-            for line in r.iter_lines():
-                if line.startswith("event: response.created"):
-                    break
+            lines = r.iter_lines()  # kept: a closed line iterator closes the stream, and the client leaves
+            next(line for line in lines if line.startswith("event: response.created"))
             deadline = time.monotonic() + 60  # leave mid-prefill, not while it is still queued
             while tiny_server.log().count("prefill ") == progress:
                 assert time.monotonic() < deadline
