@@ -5,6 +5,9 @@ Tolerance: pipeline parallelism keeps each layer's math whole on one rank, so it
 are bitwise one process's. Tensor parallelism sums each layer's partial products over the
 ranks (all_sum), a different order of addition: its logits may differ by rounding, here
 at most 1e-4 on logits of size ~10, and its greedy tokens are the same.
+
+Every test but the last starts processes of its own (the ranks `mlx.launch` starts, or one
+process to compare with): `slow`.
 """
 
 from __future__ import annotations
@@ -50,15 +53,23 @@ def family_model(request, tmp_path_factory) -> Path:
     return build_tiny_family_model(tmp_path_factory.mktemp(request.param) / request.param, request.param)
 
 
-def test_pipeline_parallel_gives_one_process_logits_bitwise(family_model):
-    alone, split = probe(family_model, "none"), probe(family_model, "pipeline")
+@pytest.fixture(scope="module")
+def alone(family_model) -> dict:
+    """The family's model in one process: what both splits are held to."""
+    return probe(family_model, "none")
+
+
+@pytest.mark.slow
+def test_pipeline_parallel_gives_one_process_logits_bitwise(family_model, alone):
+    split = probe(family_model, "pipeline")
     assert alone["runner"] == split["runner"] == "mlx"
     assert split["tokens"] == alone["tokens"]
     assert split["first"] == alone["first"]
 
 
-def test_tensor_parallel_gives_one_process_tokens_within_rounding(family_model):
-    alone, split = probe(family_model, "none"), probe(family_model, "tensor")
+@pytest.mark.slow
+def test_tensor_parallel_gives_one_process_tokens_within_rounding(family_model, alone):
+    split = probe(family_model, "tensor")
     assert split["tokens"] == alone["tokens"]
     assert max(abs(a - b) for a, b in zip(alone["first"], split["first"])) < 1e-4
 
@@ -114,6 +125,7 @@ def complete(server, prompt: list[int], max_tokens: int) -> str:
     return r.json()["choices"][0]["text"]
 
 
+@pytest.mark.slow
 def test_four_concurrent_streams_over_two_ranks_get_what_one_process_gives(pair):
     split, alone = pair
     prompts = [[(at + 7 * i) % 250 + 5 for i in range(n)] for n, at in ((40, 3), (9, 11), (23, 17), (61, 5))]
@@ -133,6 +145,7 @@ def test_four_concurrent_streams_over_two_ranks_get_what_one_process_gives(pair)
     assert all(int(line.split()[-1]) > 0 for line in memory)
 
 
+@pytest.mark.slow
 def test_stored_responses_and_their_continuation_work_over_two_ranks(pair):
     split, alone = pair
 
@@ -152,6 +165,7 @@ def test_stored_responses_and_their_continuation_work_over_two_ranks(pair):
     assert texts[0] == texts[1] and texts[0]
 
 
+@pytest.mark.slow
 def test_chat_messages_and_a_background_response_over_two_ranks_answer_as_one_process(pair):
     """Every wire API goes through the same worker: Chat, Anthropic's Messages, and a
     background Responses run polled to its end, each answering what one process answers."""
@@ -177,6 +191,7 @@ def test_chat_messages_and_a_background_response_over_two_ranks_answer_as_one_pr
     assert answers(split) == answers(alone)
 
 
+@pytest.mark.slow
 def test_a_client_that_leaves_mid_stream_is_cancelled_on_every_rank(pair):
     """Its run ends at the next step boundary on both ranks (rank 0's tick says so); the
     ranks stay in step: the next request answers as one process does."""
@@ -192,6 +207,7 @@ def test_a_client_that_leaves_mid_stream_is_cancelled_on_every_rank(pair):
     assert 'lmsp_requests_total{status="cancelled"} 1' in HTTP.get(split.url + "/metrics").text
 
 
+@pytest.mark.slow
 def test_a_rank_killed_mid_stream_fails_the_stream_and_rank_0_exits(llama, tmp_path):
     server = launched(llama, tmp_path / "killed", "--rank-timeout", "5")
     try:
@@ -214,6 +230,7 @@ def test_a_rank_killed_mid_stream_fails_the_stream_and_rank_0_exits(llama, tmp_p
         server.stop()
 
 
+@pytest.mark.slow
 def test_a_model_larger_than_one_ranks_budget_serves_over_two(llama, tmp_path):
     """--memory-budget-mb between the model's size and one rank's part of it: one process
     refuses to start, two ranks serve."""
@@ -250,6 +267,7 @@ def test_a_model_larger_than_one_ranks_budget_serves_over_two(llama, tmp_path):
         split.stop()
 
 
+@pytest.mark.slow
 def test_a_checkpoint_written_over_two_ranks_is_restored_after_both_restart(llama, tmp_path):
     """Each rank writes its shard of the session at shutdown into a folder of its own; both
     restarted, the same prompt restores from every rank's shard and answers as before. With
@@ -285,6 +303,7 @@ def test_a_checkpoint_written_over_two_ranks_is_restored_after_both_restart(llam
         second.stop()
 
 
+@pytest.mark.slow
 def test_a_rank_count_the_model_cannot_be_split_over_is_a_one_line_start_error(llama, tmp_path):
     """The tiny llama has 4 attention heads: three ranks cannot share them (tensor parallel)."""
     launch = [str(Path(sys.executable).parent / "mlx.launch"), "-n", "3", "--backend", "ring",

@@ -12,6 +12,7 @@ import pytest
 from tests.helpers import HTTP, ask
 
 
+@pytest.mark.slow  # waits out SQLite's busy timeout
 def test_a_locked_store_refuses_stored_work_serves_the_rest_and_recovers(start_server, tiny_model_dir, tmp_path):
     store = tmp_path / "store.sqlite3"
     server = start_server("--model", str(tiny_model_dir), "--model-id", "tiny", "--store", str(store))
