@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import sqlite3
 import subprocess
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from tests.helpers import HTTP, ask
@@ -19,13 +20,15 @@ def test_a_locked_store_refuses_stored_work_serves_the_rest_and_recovers(start_s
     kept = HTTP.post(server.url + "/lmsp/v1/responses", json=ask(store=True), timeout=60).json()
     other = sqlite3.connect(store, isolation_level=None)
     other.execute("BEGIN EXCLUSIVE")  # another process writes, and holds the lock
-    try:
-        refused = HTTP.post(server.url + "/lmsp/v1/responses", json=ask(store=True), timeout=60)
+    try:  # the two stored requests wait out the busy timeout (in turn: one store writer); the unstored one is served meanwhile
+        with ThreadPoolExecutor(2) as pool:
+            refused = pool.submit(HTTP.post, server.url + "/lmsp/v1/responses", json=ask(store=True), timeout=60)
+            v1 = pool.submit(HTTP.post, server.url + "/v1/responses", json={**ask(), "store": True}, timeout=60)
+            served = HTTP.post(server.url + "/lmsp/v1/responses", json=ask(), timeout=60)
+            assert served.status_code == 200 and not refused.done() and not v1.done()
+            refused, v1 = refused.result(), v1.result()
         assert refused.status_code == 503, refused.text
         assert refused.json()["code"] == "store_unavailable" and refused.headers["Retry-After"] == "5"
-        served = HTTP.post(server.url + "/lmsp/v1/responses", json=ask(), timeout=60)
-        assert served.status_code == 200
-        v1 = HTTP.post(server.url + "/v1/responses", json={**ask(), "store": True}, timeout=60)
         assert v1.status_code == 503 and v1.json()["error"]["code"] == "store_unavailable"
     finally:
         other.execute("ROLLBACK")
