@@ -83,10 +83,12 @@ class HostGrowth:
     def __init__(self, noise: int = HOST_NOISE) -> None:
         self.noise = noise
         self._base: int | None = None
-        self._page = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+        self._page = 0  # bytes a page, read at `start` where statm is
 
     def start(self) -> None:
         readable = sys.platform.startswith("linux") and mx.default_device().type == mx.DeviceType.cpu
+        if readable:
+            self._page = os.sysconf("SC_PAGE_SIZE")
         self._base = self._outside() if readable else None
         if self._base is None:
             log.info("memory: the process's memory outside MLX's is not read on this platform; "

@@ -225,9 +225,9 @@ class Engine:
         """Load the default model and the pinned ones (or raise why not), then start the worker."""
         first = None
         budget, source = budget_bytes(self.settings.memory_budget_bytes)
-        host = HostGrowth()
+        host, counts_host = HostGrowth(), budget is not None and self.settings.memory_budget_scope == "process"
         self.gate = MemoryGate(budget, source, lambda: sum(s.size_bytes for s in list(self.models.slots.values())),
-                               host=host if self.settings.memory_budget_scope == "process" else lambda: 0)
+                               host=host if counts_host else lambda: 0)
         if budget is not None:
             mx.set_cache_limit(cache_limit(budget))
         self.models = ModelSet(self.catalog.find, self._load, self._retire, max_loaded=self.settings.max_loaded_models,
@@ -241,7 +241,7 @@ class Engine:
             slot.last_used = time.monotonic()
             self.models.adopt(slot)
             first = first or slot.lm
-        if budget is not None and self.settings.memory_budget_scope == "process":
+        if counts_host:
             host.start()  # the runtime's own, with the first models loaded
         self._thread.start()
         return first
