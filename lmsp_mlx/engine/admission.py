@@ -152,13 +152,15 @@ class MemoryGate:
                 f"memory budget ({self.source}) is left beside {slot.id}'s weights; ask for fewer output tokens "
                 f"or send a shorter prompt")
 
-    def room(self, reserved: int, pools: list) -> int | None:
+    def room(self, reserved: int, pools: list, host: int | None = None) -> int | None:
         """The budget's bytes free beside the weights, the running sequences' reservations
         (`reserved`), the idle resident sessions, the checkpoint copies queued for writing,
-        MLX's buffer cache and the host growth; None: no budget."""
+        MLX's buffer cache and the host growth (`host`, as read already, else read now);
+        None: no budget."""
         if self.budget is None:
             return None
-        held = self._weights() + reserved + sum(p.idle_bytes() for p in pools) + self._host()
+        host = self._host() if host is None else host
+        held = self._weights() + reserved + sum(p.idle_bytes() for p in pools) + host
         return self.budget - held - cache_limit(self.budget)
 
     def fits(self, need: int, running: Iterable[int], pools: list, alone: bool) -> bool:
@@ -167,13 +169,13 @@ class MemoryGate:
         first. `alone`: nothing runs, so nothing could free memory by waiting: it joins whatever."""
         if self.budget is None:
             return True
-        reserved = sum(running)
+        reserved, host = sum(running), self._host()  # host: read once (/proc), before any eviction's copy
         for pool in pools:
-            if (short := need - self.room(reserved, pools)) <= 0:
+            if (short := need - self.room(reserved, pools, host)) <= 0:
                 break
             pool.shed(short)  # an evicted session's checkpoint copy counts until it is written
-        free = self.room(reserved, pools)
-        self.count(reserved, pools)
+        free = self.room(reserved, pools, host)
+        self.count(reserved, pools, host)
         if free >= need:
             return True
         if alone:
@@ -182,8 +184,8 @@ class MemoryGate:
             return True
         return False
 
-    def count(self, reserved: int, pools: list) -> None:
+    def count(self, reserved: int, pools: list, host: int | None = None) -> None:
         """Refresh the figures /metrics shows."""
         f = self.figures
         f.weights, f.kv_reserved, f.kv_resident = self._weights(), reserved, sum(p.idle_bytes() for p in pools)
-        f.host = self._host()
+        f.host = self._host() if host is None else host

@@ -613,8 +613,8 @@ class Engine:
                     break
             job.id = self._lockstep.next_id()
             joined.append(job)
-        shed = tuple((s.id, s.pool.shed_total - before[s.id]) for s in list(self.models.slots.values())
-                     if s.pool is not None and s.pool.shed_total > before.get(s.id, s.pool.shed_total))
+        shed = tuple((s.id, n) for s in list(self.models.slots.values()) if s.pool is not None
+                     and (n := s.pool.shed_total - before.get(s.id, s.pool.shed_total)) > 0)
         return joined, stopping, shed
 
     def _mirror(self, spec: JobSpec) -> Job:
